@@ -1,0 +1,37 @@
+"""llmbatch: run large language models over whole datasets.
+
+A drop-in for Ray's ``ray.data.llm`` (same configs, same row contract) with resumable,
+exactly-once jobs on top. See the README for the two-minute tour.
+"""
+
+from llmbatch.config import (
+    ChatTemplateStageConfig,
+    DetokenizeStageConfig,
+    HttpRequestProcessorConfig,
+    PrepareMultimodalStageConfig,
+    ProcessorConfig,
+    SGLangEngineProcessorConfig,
+    TokenizerStageConfig,
+    vLLMEngineProcessorConfig,
+)
+from llmbatch.errors import ConfigError, LLMBatchError, RowError
+from llmbatch.processor import Processor, build_llm_processor, build_processor
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ChatTemplateStageConfig",
+    "ConfigError",
+    "DetokenizeStageConfig",
+    "HttpRequestProcessorConfig",
+    "LLMBatchError",
+    "PrepareMultimodalStageConfig",
+    "Processor",
+    "ProcessorConfig",
+    "RowError",
+    "SGLangEngineProcessorConfig",
+    "TokenizerStageConfig",
+    "build_llm_processor",
+    "build_processor",
+    "vLLMEngineProcessorConfig",
+]

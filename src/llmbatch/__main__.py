@@ -1,0 +1,5 @@
+"""``python -m llmbatch`` runs the CLI."""
+
+from llmbatch.cli import main
+
+main()

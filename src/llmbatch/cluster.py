@@ -1,0 +1,43 @@
+"""Ray start-up and cluster checks.
+
+On a laptop Ray starts itself (``ray.init()`` with local resources); on a cluster the same
+code joins it through ``RAY_ADDRESS``. Requests the cluster can never satisfy fail here, at
+once, instead of leaving the job pending forever.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from llmbatch.errors import ResourceError
+
+logger = logging.getLogger(__name__)
+
+
+def ensure_ray(**init_kwargs) -> None:
+    """Start or join Ray if this process has not yet."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    kwargs = {"ignore_reinit_error": True, "include_dashboard": False, "logging_level": logging.WARNING}
+    kwargs.update(init_kwargs)
+    if os.environ.get("RAY_ADDRESS"):
+        kwargs.pop("num_cpus", None)
+        kwargs.pop("num_gpus", None)
+    ray.init(**kwargs)
+
+
+def check_accelerator(accelerator_type: str, cluster: dict[str, float]) -> None:
+    """Fail fast when no node has ``accelerator_type``."""
+    key = f"accelerator_type:{accelerator_type}"
+    if cluster.get(key, 0) > 0:
+        return
+    available = sorted(k.split(":", 1)[1] for k in cluster if k.startswith("accelerator_type:"))
+    have = ", ".join(available) if available else "none (this cluster has no GPUs)" if not cluster.get("GPU") else "none labelled"
+    raise ResourceError(
+        f"accelerator_type={accelerator_type!r} is not available on this Ray cluster (accelerator types here: "
+        f"{have}). Remove accelerator_type to run on what this machine has, or start the job on a cluster "
+        f"with {accelerator_type} nodes."
+    )

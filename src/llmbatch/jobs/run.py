@@ -1,0 +1,417 @@
+"""Running a job: stage the input, run the processor over what is not done, commit, finish.
+
+``run_job`` is the Python API behind ``llmbatch run``, ``resume`` and ``retry-errors``. The
+driver reads the processor's output stream and commits it in parts; rows that arrive twice
+(a task retried after a replica died) are dropped, and rows that never arrive are run again in
+a follow-up pass, so every input id ends up exactly once in the output or in errors.jsonl.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+import shutil
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from llmbatch.errors import ConfigError, JobError
+from llmbatch.jobs.spec import JobSpec, config_hash, diff_fields, load_function, load_job, result_fields
+from llmbatch.jobs.store import FORMAT_VERSION, STAGE_ROWS, JobDir, State, atomic_write_json, error_record, input_fingerprint, same_input
+from llmbatch.progress import Progress, write_report
+from llmbatch.rows import ERROR_COLUMN, PRIVATE_PREFIX, ROW_ID, STATS, parse_error
+from llmbatch.stages.runner import STATE_COLUMN
+
+logger = logging.getLogger(__name__)
+
+#: Follow-up passes for rows lost in flight (a replica killed mid-batch) before they are
+#: recorded as error rows.
+MAX_PASSES = 3
+ROW_ID_COLUMN = "row_id"
+
+
+@dataclass
+class JobResult:
+    """What a finished (or stopped) run left behind."""
+
+    job_dir: Path
+    state: str                      # "finished" | "stopped"
+    output_path: str | None
+    errors_path: Path
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.state == "finished"
+
+
+# ---------------------------------------------------------------------------- processor
+
+
+class _WithDefaultParams:
+    """A user preprocess whose rows get the job's sampling_params as defaults."""
+
+    def __init__(self, fn, sampling_params: dict[str, Any]):
+        self.fn = fn
+        self.sampling_params = sampling_params
+
+    def __call__(self, row: dict[str, Any]) -> dict[str, Any]:
+        out = self.fn(row)
+        if isinstance(out, dict) and self.sampling_params:
+            out = {**out, "sampling_params": {**self.sampling_params, **(out.get("sampling_params") or {})}}
+        return out
+
+
+def build_job_processor(spec: JobSpec):
+    """The processor a job runs: the spec's model, its prompt as preprocess, and the job's
+    private columns (row id, per-row engine facts) kept for the driver."""
+    from llmbatch.jobs.prompts import TemplatePreprocess
+    from llmbatch.processor import build_processor
+
+    config = spec.processor_config()
+    if spec.prompt is not None:
+        pre = TemplatePreprocess(spec.prompt, spec.sampling_params)
+    else:
+        pre = _WithDefaultParams(load_function(spec.preprocess), spec.sampling_params)
+    post = load_function(spec.postprocess) if spec.postprocess else None
+    return build_processor(config, preprocess=pre, postprocess=post, keep_private=(ROW_ID, STATS))
+
+
+# ---------------------------------------------------------------------------- opening
+
+
+def _check_prompt_fields(spec: JobSpec, columns: list[str]) -> None:
+    if spec.prompt is None:
+        return
+    missing = [f for f in spec.prompt.fields() if f not in columns]
+    if missing:
+        raise ConfigError(
+            f"the prompt uses {', '.join('{' + m + '}' for m in missing)}, which the input does not have. "
+            f"Input columns: {', '.join(columns)}"
+        )
+
+
+def _new_meta(spec: JobSpec, fields: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "version": FORMAT_VERSION,
+        "created_at": time.time(),
+        "spec": json.loads(spec.model_dump_json()),
+        "result_fields": fields,
+        "config_hash": config_hash(fields),
+        "staged": False,
+    }
+
+
+def open_job(spec: JobSpec, *, force: bool = False, allow_config_change: bool = False) -> tuple[JobDir, dict[str, Any]]:
+    """Create the job directory, or check that an existing one belongs to this job."""
+    job = JobDir(spec.resolved_job_dir())
+    fields = result_fields(spec)
+    if job.exists() and force:
+        shutil.rmtree(job.root)
+    if not job.exists():
+        meta = _new_meta(spec, fields)
+        job.write_meta(meta)
+        job.log(f"created job {job.root}")
+        return job, meta
+    meta = job.meta()
+    if meta.get("version") != FORMAT_VERSION:
+        raise JobError(f"{job.root} was made by another llmbatch format (v{meta.get('version')}); use --force to start over")
+    if meta.get("config_hash") != config_hash(fields):
+        changes = diff_fields(meta.get("result_fields", {}), fields)
+        if not allow_config_change:
+            raise JobError(
+                f"job {job.root} was started with a different config, which would change its results:\n  "
+                + "\n  ".join(changes)
+                + "\nResume with the original job file, run `llmbatch retry-errors` with --set to re-run only "
+                  "the failed rows with the new settings, or pass --force to start over."
+            )
+        job.log("config changed for retry: " + "; ".join(changes))
+        meta["result_fields"] = fields
+        meta["config_hash"] = config_hash(fields)
+        meta.setdefault("config_history", []).append({"at": time.time(), "changes": changes})
+    if meta.get("staged"):
+        same, why = same_input(meta["input_fingerprint"], spec.input.path)
+        if not same:
+            raise JobError(f"cannot resume {job.root}: {why}. Point the job at the original input, "
+                           "or pass --force to start over with the new one.")
+    meta["spec"] = json.loads(spec.model_dump_json())
+    job.write_meta(meta)
+    return job, meta
+
+
+def _stage(job: JobDir, spec: JobSpec, meta: dict[str, Any]) -> dict[str, Any]:
+    job.log(f"staging input {spec.input.path}")
+    fingerprint = input_fingerprint(spec.input.path)
+    info = job.stage(spec.input.path, spec.input.format, spec.input.columns, spec.input.limit, spec.input.id_column)
+    _check_prompt_fields(spec, info["columns"])
+    meta.update(staged=True, rows=info["rows"], columns=info["columns"], stage_rows=STAGE_ROWS,
+                input_fingerprint=fingerprint)
+    job.write_meta(meta)
+    job.log(f"staged {info['rows']:,} rows")
+    return meta
+
+
+# ---------------------------------------------------------------------------- committing
+
+
+class Committer:
+    """Buffers the output stream and commits it in parts; drops rows already committed."""
+
+    def __init__(self, job: JobDir, done: np.ndarray, progress: Progress, commit_rows: int, commit_seconds: float):
+        self.job = job
+        self.done = done
+        self.progress = progress
+        self.commit_rows = commit_rows
+        self.commit_seconds = commit_seconds
+        self.buffer: list[pa.Table] = []
+        self.buffered = 0
+        self.last_commit = time.monotonic()
+        self.duplicates = 0
+
+    def add(self, table: pa.Table) -> None:
+        if table.num_rows == 0:
+            return
+        self.progress.arrived()
+        ids = table.column(ROW_ID).to_numpy()
+        fresh = ~self.done[ids]
+        _, first = np.unique(ids, return_index=True)
+        once = np.zeros(len(ids), dtype=bool)
+        once[first] = True
+        keep = fresh & once
+        self.duplicates += int((~keep).sum())
+        if not keep.all():
+            table = table.filter(pa.array(keep))
+        if table.num_rows == 0:
+            return
+        self.done[table.column(ROW_ID).to_numpy()] = True
+        self.buffer.append(table)
+        self.buffered += table.num_rows
+        if self.buffered >= self.commit_rows or time.monotonic() - self.last_commit >= self.commit_seconds:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.buffer:
+            return
+        try:
+            table = pa.concat_tables(self.buffer, promote_options="permissive")
+        except (pa.ArrowInvalid, pa.ArrowTypeError):
+            from llmbatch.io.writers import conform, unify_schema
+
+            names = list(dict.fromkeys(n for t in self.buffer for n in t.column_names))
+            schema = unify_schema([t.schema for t in self.buffer], names)
+            table = pa.concat_tables([conform(t, schema) for t in self.buffer])
+        self.job.commit(table)
+        self.buffer = []
+        self.buffered = 0
+        self.last_commit = time.monotonic()
+        self.progress.add(**_counts(table))
+
+
+def _counts(table: pa.Table) -> dict[str, Any]:
+    errors = table.column(ERROR_COLUMN).to_pylist() if ERROR_COLUMN in table.column_names else [""] * table.num_rows
+    n_err = sum(1 for e in errors if e)
+    types = collections.Counter(f"{parse_error(e)[0]}: {parse_error(e)[1]}" for e in errors if e)
+
+    def total(name: str) -> int:
+        if name not in table.column_names:
+            return 0
+        return int(sum(v for v in table.column(name).to_pylist() if v))
+
+    cached = deduped = 0
+    replicas: collections.Counter[str] = collections.Counter()
+    if STATS in table.column_names:
+        for s in table.column(STATS).to_pylist():
+            if s:
+                cached += int(s.get("cached_tokens") or 0)
+                deduped += int(bool(s.get("deduped")))
+                replicas[s.get("replica") or "?"] += 1
+    return {"ok": table.num_rows - n_err, "errors": n_err, "in_tokens": total("num_input_tokens"),
+            "out_tokens": total("num_generated_tokens"), "cached_tokens": cached, "deduped": deduped,
+            "error_types": dict(types), "replicas": dict(replicas)}
+
+
+# ---------------------------------------------------------------------------- running
+
+
+def _todo_dataset(job: JobDir, meta: dict[str, Any], todo: np.ndarray):
+    """The staged rows still to do, as a Ray Dataset of encoded rows."""
+    import ray
+    import ray.data
+
+    stage_rows = meta.get("stage_rows", STAGE_ROWS)
+    files = []
+    for path in job.staged_files():
+        k = int(path.stem.split("-")[1])
+        if todo[k * stage_rows:(k + 1) * stage_rows].any():
+            files.append(str(path))
+    todo_ref = ray.put(todo)
+
+    def select(batch: pa.Table) -> pa.Table:
+        mask = _todo_mask(todo_ref)[batch.column(ROW_ID).to_numpy()]
+        return batch.filter(pa.array(mask)).select([STATE_COLUMN])
+
+    ds = ray.data.read_parquet(files, columns=[ROW_ID, STATE_COLUMN], shuffle=None)
+    return ds.map_batches(select, batch_format="pyarrow", batch_size=None, zero_copy_batch=True)
+
+
+_TODO_CACHE: dict[str, np.ndarray] = {}
+
+
+def _todo_mask(ref) -> np.ndarray:
+    import ray
+
+    key = ref.hex()
+    if key not in _TODO_CACHE:
+        _TODO_CACHE.clear()
+        _TODO_CACHE[key] = ray.get(ref)
+    return _TODO_CACHE[key]
+
+
+def _run_pass(job: JobDir, spec: JobSpec, meta: dict[str, Any], todo: np.ndarray, done: np.ndarray,
+              progress: Progress) -> None:
+    import ray.data
+
+    processor = build_job_processor(spec)
+    ds = _todo_dataset(job, meta, todo)
+    out = processor(ds)
+    committer = Committer(job, done, progress, spec.commit_rows, spec.commit_seconds)
+    try:
+        for table in out.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=1):
+            committer.add(table)
+    finally:
+        committer.flush()
+        if committer.duplicates:
+            job.log(f"dropped {committer.duplicates} repeated rows (retried tasks)")
+    _ = ray.data
+
+
+def _record_lost(job: JobDir, meta: dict[str, Any], missing: np.ndarray, done: np.ndarray, progress: Progress) -> None:
+    """Rows that never came back after every pass: error rows, so nothing is silently lost."""
+    ids = np.flatnonzero(missing)
+    message = f"engine: RowLostError: the row did not come back after {MAX_PASSES} passes (replicas kept failing)"
+    rows = []
+    for path in job.staged_files():
+        t = pq.read_table(path, columns=[ROW_ID, STATE_COLUMN])
+        sel = np.isin(t.column(ROW_ID).to_numpy(), ids)
+        for raw in t.filter(pa.array(sel)).column(STATE_COLUMN).to_pylist():
+            import pickle
+
+            row = pickle.loads(raw)
+            row[ERROR_COLUMN] = message
+            rows.append({k: v for k, v in row.items() if not k.startswith(PRIVATE_PREFIX) or k == ROW_ID})
+    if rows:
+        from llmbatch.stages.runner import rows_to_table
+
+        table = rows_to_table(rows)
+        job.commit(table)
+        done[ids] = True
+        progress.add(**_counts(table))
+
+
+def _install_sigterm() -> Any:
+    def handler(signum, frame):  # noqa: ARG001
+        raise KeyboardInterrupt
+
+    try:
+        return signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread
+        return None
+
+
+def run_job(job: JobSpec | str | os.PathLike, *, overrides: list[str] | None = None, force: bool = False,
+            retry_errors: bool = False, report: bool = False, quiet: bool = False,
+            tty: bool | None = None) -> JobResult:
+    """Run (or resume) a job to the end; returns where the results are.
+
+    ``job`` is a :class:`JobSpec`, a job file, or a job directory (to resume it).
+    ``retry_errors`` re-runs only the rows that failed (``overrides`` may change the config
+    for them). Ctrl-C stops cleanly: what was answered is committed and ``resume`` continues.
+    """
+    spec = _resolve_spec(job, overrides)
+    job_dir, meta = open_job(spec, force=force, allow_config_change=retry_errors)
+    from llmbatch.cluster import ensure_ray
+
+    with job_dir.locked():
+        job_dir.clean_temporaries()
+        if not meta.get("staged"):
+            meta = _stage(job_dir, spec, meta)
+        else:
+            _check_prompt_fields(spec, meta["columns"])
+        state = job_dir.state(meta["rows"])
+        done = state.done.copy()
+        if retry_errors:
+            done &= ~state.error
+        counts = state.counts()
+        todo = ~done
+        progress = Progress(meta["rows"], done_before=int(done.sum()),
+                            errors_before=counts["errors"] if not retry_errors else 0,
+                            progress_path=job_dir.progress_path, tty=tty, quiet=quiet)
+        mode = "retry-errors" if retry_errors else ("resume" if counts["done"] else "run")
+        job_dir.log(f"{mode}: {int(todo.sum()):,} rows to do of {meta['rows']:,}")
+        old_sigterm = _install_sigterm()
+        state_name = "finished"
+        started = time.time()
+        progress.start()
+        try:
+            if todo.any():
+                ensure_ray()
+                import ray.data
+
+                ctx = ray.data.DataContext.get_current()
+                ctx.enable_progress_bars = False
+                ctx.issue_detectors_config.detectors = []
+                for attempt in range(MAX_PASSES):
+                    if attempt:
+                        job_dir.log(f"pass {attempt + 1}: {int(todo.sum())} rows did not come back; running them again")
+                    _run_pass(job_dir, spec, meta, todo, done, progress)
+                    todo = ~done
+                    if not todo.any():
+                        break
+                if todo.any():
+                    _record_lost(job_dir, meta, todo, done, progress)
+        except KeyboardInterrupt:
+            state_name = "stopped"
+            job_dir.log("stopped by signal; committed rows are kept, run `llmbatch resume` to continue")
+        finally:
+            snap = progress.stop(state_name)
+            if old_sigterm is not None:
+                signal.signal(signal.SIGTERM, old_sigterm)
+        run_info = {"mode": mode, "started_at": started, "ended_at": time.time(), "state": state_name,
+                    **snap["this_run"]}
+        meta.setdefault("runs", []).append(run_info)
+        job_dir.write_meta(meta)
+        if state_name != "finished":
+            return JobResult(job_dir.root, state_name, None, job_dir.errors_path, snap)
+        from llmbatch.jobs.output import finish
+
+        stats = finish(job_dir, spec, meta, run_info, progress)
+        if report:
+            stats["report"] = str(write_report(progress.timeline, job_dir.root / "report.png"))
+            atomic_write_json(job_dir.stats_path, stats)
+        job_dir.log(f"finished: {stats['rows_ok']:,} rows answered, {stats['rows_error']:,} errors")
+        return JobResult(job_dir.root, "finished", stats["output"], job_dir.errors_path, stats)
+
+
+def _resolve_spec(job: JobSpec | str | os.PathLike, overrides: list[str] | None) -> JobSpec:
+    if isinstance(job, JobSpec):
+        if overrides:
+            data = json.loads(job.model_dump_json())
+            return load_job(data=data, overrides=overrides)
+        return job
+    path = Path(job)
+    if path.is_dir():
+        jd = JobDir(path)
+        data = jd.meta()["spec"]
+        return load_job(data=data, overrides=overrides)
+    return load_job(path, overrides)
+
+
+_ = (State, ROW_ID_COLUMN)

@@ -1,0 +1,374 @@
+"""The job file: what to read, which model, what to ask per row, where to write.
+
+```yaml
+input:  {path: customers.csv, id_column: Index, limit: 1000}
+model:  {source: smollm2-135m-instruct, engine_kwargs: {max_model_len: 512}, concurrency: 1}
+prompt: {system: "...", user: "What industry is {Company} in?", choices: [Retail, Finance, Other]}
+sampling_params: {temperature: 0, max_tokens: 8}
+output: {path: out.parquet, columns: [Index, Company, generated_text]}
+```
+
+Every field is validated when the file is loaded; ``--set a.b=value`` overrides any field.
+Relative paths are taken from the job file's folder.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import string
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import ConfigDict, Field, field_validator, model_validator
+
+from llmbatch.config import (
+    HttpRequestProcessorConfig,
+    ProcessorConfig,
+    SGLangEngineProcessorConfig,
+    _Config,
+    vLLMEngineProcessorConfig,
+)
+from llmbatch.errors import ConfigError
+
+PROCESSOR_CONFIGS: dict[str, type[ProcessorConfig]] = {
+    "vLLMEngineProcessorConfig": vLLMEngineProcessorConfig,
+    "vllm": vLLMEngineProcessorConfig,
+    "SGLangEngineProcessorConfig": SGLangEngineProcessorConfig,
+    "sglang": SGLangEngineProcessorConfig,
+    "HttpRequestProcessorConfig": HttpRequestProcessorConfig,
+    "http": HttpRequestProcessorConfig,
+}
+
+
+class InputSpec(_Config):
+    """Where the rows come from."""
+
+    path: str = Field(..., description="Local path, http(s):// URL, or s3:// / gs:// (with the s3/gcs extra).")
+    format: Optional[Literal["csv", "jsonl", "json", "parquet", "hf"]] = Field(None, description="Input format; inferred from the path when omitted. 'hf' is a Hugging Face dataset saved with save_to_disk.")
+    limit: Optional[int] = Field(None, ge=1, description="Read only the first N rows.")
+    columns: Optional[list[str]] = Field(None, description="Read only these columns.")
+    id_column: Optional[str] = Field(None, description="Column with a unique id per row. Without it, the row's position in the input is its id.")
+
+
+class ModelSpec(_Config):
+    """The model and engine: any processor config field may be given here."""
+
+    model_config = ConfigDict(extra="allow", validate_assignment=True)
+
+    source: str = Field(..., description="model_source: an offline alias, folder, hub id, s3:// folder or .gguf file.")
+    processor: str = Field("vLLMEngineProcessorConfig", description="Which processor config: vLLMEngineProcessorConfig (default), SGLangEngineProcessorConfig or HttpRequestProcessorConfig.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _aliases(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "model_source" in data:
+            data = dict(data)
+            data.setdefault("source", data.pop("model_source"))
+        return data
+
+    @field_validator("processor")
+    @classmethod
+    def _known(cls, value: str) -> str:
+        if value not in PROCESSOR_CONFIGS:
+            raise ValueError(f"unknown processor {value!r}; use one of {', '.join(PROCESSOR_CONFIGS)}")
+        return value
+
+    def processor_fields(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
+
+
+class PromptSpec(_Config):
+    """What to ask per row: templates over the row's fields (Python ``{Column}`` syntax)."""
+
+    system: Optional[str] = Field(None, description="System message template.")
+    user: Optional[str] = Field(None, description="User message template, e.g. 'What industry is {Company} in?'. Use {{ and }} for literal braces.")
+    messages_column: Optional[str] = Field(None, description="A column that already holds OpenAI chat messages.")
+    prompt_column: Optional[str] = Field(None, description="A column holding raw prompt text (skips the chat template).")
+    choices: Optional[list[str]] = Field(None, description="Constrain the answer to one of these strings.")
+    json_schema: Optional[Any] = Field(None, description="Constrain the answer to JSON matching this schema.")
+    regex: Optional[str] = Field(None, description="Constrain the answer to this regular expression.")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "PromptSpec":
+        sources = [self.user is not None, self.messages_column is not None, self.prompt_column is not None]
+        if sum(sources) != 1:
+            raise ValueError("give exactly one of prompt.user, prompt.messages_column or prompt.prompt_column")
+        constraints = [self.choices is not None, self.json_schema is not None, self.regex is not None]
+        if sum(constraints) > 1:
+            raise ValueError("give at most one of prompt.choices, prompt.json_schema or prompt.regex")
+        for name in ("system", "user"):
+            template = getattr(self, name)
+            if template is not None:
+                try:
+                    template_fields(template)
+                except ValueError as exc:
+                    raise ValueError(f"prompt.{name} is not a valid template: {exc}") from exc
+        return self
+
+    def fields(self) -> list[str]:
+        """Input columns the prompt reads."""
+        names: list[str] = []
+        for template in (self.system, self.user):
+            if template:
+                names.extend(template_fields(template))
+        names.extend(c for c in (self.messages_column, self.prompt_column) if c)
+        return list(dict.fromkeys(names))
+
+
+class OutputSpec(_Config):
+    """Where the answers go."""
+
+    path: str = Field(..., description="Output file (local or fsspec URL).")
+    format: Optional[Literal["parquet", "jsonl", "csv"]] = Field(None, description="Output format; inferred from the path when omitted.")
+    columns: Optional[list[str]] = Field(None, description="Keep only these columns (after rename). Default: input columns, then generated_text and the other engine columns.")
+    rename: Optional[dict[str, str]] = Field(None, description="Rename output columns, e.g. {generated_text: industry}.")
+
+    def resolved_format(self) -> str:
+        if self.format:
+            return self.format
+        lower = self.path.lower()
+        for fmt, suffixes in (("parquet", (".parquet", ".pq")), ("jsonl", (".jsonl", ".ndjson", ".json")), ("csv", (".csv",))):
+            if lower.endswith(suffixes):
+                return fmt
+        raise ConfigError(f"cannot tell the output format of {self.path!r}; set output.format to parquet, jsonl or csv")
+
+
+class JobSpec(_Config):
+    """A whole job."""
+
+    input: InputSpec
+    model: ModelSpec
+    prompt: Optional[PromptSpec] = Field(None, description="Templates over row fields; or use preprocess.")
+    preprocess: Optional[str] = Field(None, description="'module:function' that turns a row into the request (messages/prompt, sampling_params).")
+    postprocess: Optional[str] = Field(None, description="'module:function' that turns an answered row into the output row.")
+    sampling_params: dict[str, Any] = Field(default_factory=dict, description="vLLM sampling params for every row (temperature, max_tokens, ...).")
+    output: OutputSpec
+    job_dir: Optional[str] = Field(None, description="Job directory (default: next to the output, '<output>.job').")
+    continue_on_error: bool = Field(True, description="Turn failing rows into error rows (errors.jsonl) and answer the rest. Off: the first bad row stops the job.")
+    commit_rows: int = Field(1000, ge=1, description="Rows per committed output part (at most).")
+    commit_seconds: float = Field(10.0, gt=0, description="Commit what has been answered at least this often.")
+
+    @model_validator(mode="after")
+    def _request_source(self) -> "JobSpec":
+        if self.prompt is None and self.preprocess is None:
+            raise ValueError("give a prompt (prompt.user / messages_column / prompt_column) or a preprocess function")
+        if self.prompt is not None and self.preprocess is not None:
+            raise ValueError("give either prompt or preprocess, not both")
+        for name in ("preprocess", "postprocess"):
+            value = getattr(self, name)
+            if value is not None and ":" not in value:
+                raise ValueError(f"{name} must look like 'module:function', got {value!r}")
+        return self
+
+    def resolved_job_dir(self) -> str:
+        return self.job_dir or (self.output.path.rstrip("/") + ".job")
+
+    def processor_config(self) -> ProcessorConfig:
+        """The processor config named by the model section (validated now)."""
+        cls = PROCESSOR_CONFIGS[self.model.processor]
+        fields = self.model.processor_fields()
+        fields["should_continue_on_error"] = self.continue_on_error
+        if cls is not HttpRequestProcessorConfig:
+            fields["model_source"] = self.model.source
+        try:
+            return cls(**fields)
+        except ConfigError as exc:
+            raise ConfigError(f"model: {exc}") from None
+
+
+def template_fields(template: str) -> list[str]:
+    """The row fields a ``{Field}`` template reads (raises ValueError on bad syntax)."""
+    names = []
+    for _, field, _, _ in string.Formatter().parse(template):
+        if field is None:
+            continue
+        if field == "" or field.isdigit():
+            raise ValueError("positional fields like {} or {0} are not allowed; name a column, e.g. {Company}")
+        names.append(field.split(".", 1)[0].split("[", 1)[0])
+    return names
+
+
+def load_function(ref: str):
+    """Import ``module:function``; the module may be a file next to the job (it travels
+    to the workers by value, so it need not be installed there)."""
+    module_name, _, func_name = ref.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"cannot import module {module_name!r} for {ref!r}: {exc}") from exc
+    fn = getattr(module, func_name, None)
+    if not callable(fn):
+        raise ConfigError(f"{ref!r}: module {module_name!r} has no function {func_name!r}")
+    from llmbatch.stages.user_fns import ship_by_value
+
+    ship_by_value(fn)
+    return fn
+
+
+def _parse_override(item: str) -> tuple[list[str], Any]:
+    if "=" not in item:
+        raise ConfigError(f"--set takes key.path=value, got {item!r}")
+    key, _, raw = item.partition("=")
+    return key.strip().split("."), yaml.safe_load(raw) if raw.strip() else ""
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``a.b=value`` overrides (values parsed as YAML) to a job dict."""
+    for item in overrides or []:
+        path, value = _parse_override(item)
+        node = data
+        for part in path[:-1]:
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(f"--set {item!r}: {part!r} is not a section")
+            node = child
+        node[path[-1]] = value
+    return data
+
+
+def _relative_to(base: Path, value: str | None) -> str | None:
+    if value is None or "://" in value or os.path.isabs(value):
+        return value
+    return str((base / value).resolve()) if not value.startswith("~") else os.path.expanduser(value)
+
+
+def resolve_paths(data: dict[str, Any], base: Path) -> dict[str, Any]:
+    """Make the job's relative paths relative to ``base`` (the job file's folder)."""
+    if isinstance(data.get("input"), dict):
+        data["input"]["path"] = _relative_to(base, data["input"].get("path"))
+    if isinstance(data.get("output"), dict):
+        data["output"]["path"] = _relative_to(base, data["output"].get("path"))
+    if data.get("job_dir"):
+        data["job_dir"] = _relative_to(base, data["job_dir"])
+    model = data.get("model")
+    if isinstance(model, dict):
+        src = model.get("source", model.get("model_source"))
+        if isinstance(src, str) and src.startswith(("./", "../")):
+            model["source"] = _relative_to(base, src)
+            model.pop("model_source", None)
+    return data
+
+
+def load_job(path: str | os.PathLike | None = None, overrides: list[str] | None = None,
+             data: dict[str, Any] | None = None) -> JobSpec:
+    """Read a job file (and/or a dict), apply overrides, validate."""
+    base = Path.cwd()
+    doc: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.exists():
+            raise ConfigError(f"job file {str(p)!r} does not exist")
+        try:
+            doc = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"job file {str(p)!r} is not valid YAML: {exc}") from exc
+        if not isinstance(doc, dict):
+            raise ConfigError(f"job file {str(p)!r} must be a mapping of sections (input, model, prompt, output)")
+        base = p.resolve().parent
+    if data:
+        doc = _merge(doc, data)
+    doc = apply_overrides(doc, overrides or [])
+    doc = resolve_paths(doc, base)
+    spec = JobSpec(**doc)
+    spec.processor_config()  # model section mistakes fail now
+    return spec
+
+
+def _merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    out = dict(a)
+    for key, value in b.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        elif value is not None:
+            out[key] = value
+    return out
+
+
+#: Settings that change speed or placement but never an answer; a job resumes across them.
+PERF_ONLY_FIELDS = {
+    "batch_size", "concurrency", "accelerator_type", "runtime_env", "max_pending_requests",
+    "max_concurrent_batches", "max_tasks_in_flight_per_actor", "log_engine_metrics", "dedup_requests",
+    "sort_by_prefix", "placement_group_config", "should_continue_on_error",
+}
+PERF_ONLY_ENGINE_KWARGS = {
+    "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization", "kv_cache_memory_bytes",
+    "enforce_eager", "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "swap_space",
+    "disable_log_stats", "enable_prefix_caching", "enable_chunked_prefill", "distributed_executor_backend",
+    "compilation_config", "block_size", "cpu_offload_gb", "enable_log_requests",
+}
+
+
+def _function_identity(ref: str | None) -> Any:
+    if ref is None:
+        return None
+    import hashlib
+    import inspect
+
+    fn = load_function(ref)
+    try:
+        source = inspect.getsource(fn)
+    except (OSError, TypeError):
+        source = ""
+    return {"ref": ref, "source_sha256": hashlib.sha256(source.encode()).hexdigest()[:16]}
+
+
+def result_fields(spec: JobSpec) -> dict[str, Any]:
+    """The job settings that decide the answers, flattened to dotted keys.
+
+    Two runs with equal result fields and the same input give the same rows; ``resume``
+    refuses a job directory whose result fields differ from the job it is given.
+    """
+    model = {k: v for k, v in spec.model.processor_fields().items() if k not in PERF_ONLY_FIELDS}
+    engine = {k: v for k, v in dict(model.pop("engine_kwargs", {}) or {}).items() if k not in PERF_ONLY_ENGINE_KWARGS}
+    for stage in ("chat_template_stage", "tokenize_stage", "detokenize_stage", "prepare_multimodal_stage"):
+        value = model.get(stage)
+        if isinstance(value, dict):
+            model[stage] = {k: v for k, v in value.items()
+                            if k not in ("batch_size", "concurrency", "num_cpus", "memory", "runtime_env")}
+    nested = {
+        "input": {"format": spec.input.format, "limit": spec.input.limit, "columns": spec.input.columns,
+                  "id_column": spec.input.id_column},
+        "model": {"source": spec.model.source, "processor": spec.model.processor, **model, "engine_kwargs": engine},
+        "prompt": spec.prompt.model_dump() if spec.prompt else None,
+        "preprocess": _function_identity(spec.preprocess),
+        "postprocess": _function_identity(spec.postprocess),
+        "sampling_params": spec.sampling_params,
+    }
+    flat: dict[str, Any] = {}
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, dict) and value:
+            for k, v in value.items():
+                walk(f"{prefix}.{k}" if prefix else str(k), v)
+        else:
+            flat[prefix] = value
+
+    walk("", nested)
+    return flat
+
+
+def config_hash(fields: dict[str, Any]) -> str:
+    import hashlib
+    import json
+
+    return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def diff_fields(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """Human-readable differences between two result-field dicts."""
+    out = []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key), new.get(key)
+        if json_norm(a) != json_norm(b):
+            out.append(f"{key}: {a!r} -> {b!r}")
+    return out
+
+
+def json_norm(value: Any) -> Any:
+    import json
+
+    return json.loads(json.dumps(value, sort_keys=True, default=str))

@@ -1,0 +1,85 @@
+"""``llmbatch status``: where a job stands, from another terminal, while it runs or after.
+
+Counts come from the committed parts (the truth, also after a crash); rates and ETA from the
+running driver's ``progress.json``.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+
+from llmbatch.jobs.store import JobDir
+from llmbatch.rows import ERROR_COLUMN, ROW_ID, parse_error
+
+#: progress.json older than this while no driver holds the lock means the driver died.
+STALE_S = 30.0
+
+
+def job_status(root: str | Path) -> dict[str, Any]:
+    job = JobDir(root)
+    meta = job.meta()
+    running = job.is_running()
+    info: dict[str, Any] = {"job_dir": str(job.root), "rows_total": meta.get("rows")}
+    if not meta.get("staged"):
+        info.update(state="staging" if running else "not started", rows_total=0, rows_done=0, rows_ok=0,
+                    rows_error=0, rows_todo=0, errors_by_type={})
+        return info
+    state = job.state(meta["rows"])
+    counts = state.counts()
+    errors_by_type: collections.Counter[str] = collections.Counter()
+    for path in job.part_files():
+        t = pq.read_table(path, columns=[ROW_ID, ERROR_COLUMN])
+        index = job.part_index(path)
+        ids = t.column(0).to_numpy()
+        for rid, err in zip(ids, t.column(1).to_pylist()):
+            if err and state.latest[rid] == index:
+                stage, etype, _ = parse_error(err)
+                errors_by_type[f"{stage}: {etype}"] += 1
+    progress: dict[str, Any] = {}
+    if job.progress_path.exists():
+        try:
+            progress = json.loads(job.progress_path.read_text())
+        except ValueError:
+            progress = {}
+    stats: dict[str, Any] = {}
+    if job.stats_path.exists():
+        stats = json.loads(job.stats_path.read_text())
+    if running:
+        label = "running"
+    elif counts["todo"] == 0 and stats:
+        label = "finished"
+    elif progress.get("state") == "stopped":
+        label = "stopped (resume to continue)"
+    elif counts["done"] or progress:
+        label = "interrupted (resume to continue)"
+    else:
+        label = "not started"
+    info.update(
+        state=label,
+        rows_done=counts["done"],
+        rows_ok=counts["ok"],
+        rows_error=counts["errors"],
+        rows_todo=counts["todo"],
+        errors_by_type=dict(errors_by_type),
+        parts=len(job.part_files()),
+    )
+    if running and progress:
+        fresh = time.time() - progress.get("updated_at", 0) < STALE_S
+        info.update(
+            rows_per_s=progress.get("rows_per_s") if fresh else 0.0,
+            input_tokens_per_s=progress.get("input_tokens_per_s", 0.0) if fresh else 0.0,
+            output_tokens_per_s=progress.get("output_tokens_per_s", 0.0) if fresh else 0.0,
+            eta_s=(counts["todo"] / progress["rows_per_s"]) if fresh and progress.get("rows_per_s") else None,
+            replicas=progress.get("replicas", {}),
+        )
+    elif stats:
+        info.update(rows_per_s=stats.get("rows_per_s"), output_tokens_per_s=stats.get("output_tokens_per_s"),
+                    input_tokens_per_s=stats.get("input_tokens_per_s"), output=stats.get("output"),
+                    errors_file=stats.get("errors_file"))
+    return info

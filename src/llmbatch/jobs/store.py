@@ -1,0 +1,372 @@
+"""The job directory: staged input, committed parts, state, and the final output.
+
+```
+JOBDIR/job.json         resolved job, config hash, input fingerprint, row count
+JOBDIR/input/*.parquet  the input, staged once: row id + the row (pickled, any shape)
+JOBDIR/parts/*.parquet  committed answers and error rows, immutable, numbered
+JOBDIR/errors.jsonl     one line per failed row (id, stage, error type, message, input)
+JOBDIR/stats.json       totals when a run ends; progress.json while it runs; log.txt
+```
+
+Exactly once: a part is written to a temporary file, fsynced and renamed into place (the
+rename is the commit). A row id is committed at most once per run (the driver drops repeats),
+and when parts disagree (``retry-errors`` answered a row that had failed) the newest part wins.
+The output file is made from the parts, so every input id appears exactly once across the
+output and ``errors.jsonl``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import pickle
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from llmbatch.errors import JobError
+from llmbatch.io.readers import READ_ERROR, read_rows
+from llmbatch.rows import ERROR_COLUMN, ROW_ID, is_missing, parse_error
+from llmbatch.stages.runner import STATE_COLUMN
+
+FORMAT_VERSION = 1
+KEY_COLUMN = "__llmbatch_key"
+STAGE_ROWS = 20_000
+ERROR_ROW_CHARS = 2_000
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(str(path), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def atomic_write_json(path: Path, value: Any) -> None:
+    atomic_write_bytes(path, json.dumps(value, indent=2, default=str).encode())
+
+
+def file_sha256(path: str) -> str:
+    from llmbatch.io.readers import open_input
+
+    digest = hashlib.sha256()
+    with open_input(path) as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def input_fingerprint(path: str) -> dict[str, Any]:
+    """What identifies the input's content: per file, size, mtime and sha256."""
+    files: list[str]
+    if "://" not in path and os.path.isdir(path):
+        files = sorted(str(p) for p in Path(path).rglob("*") if p.is_file() and not p.name.startswith("."))
+    else:
+        files = [path]
+    out = []
+    for f in files:
+        entry: dict[str, Any] = {"file": os.path.relpath(f, path) if f != path else os.path.basename(f)}
+        if "://" not in f:
+            st = os.stat(f)
+            entry.update(size=st.st_size, mtime_ns=st.st_mtime_ns)
+        entry["sha256"] = file_sha256(f)
+        out.append(entry)
+    return {"files": out}
+
+
+def same_input(recorded: dict[str, Any], path: str) -> tuple[bool, str]:
+    """Whether ``path`` still has the recorded content (cheap when size and mtime match)."""
+    files = recorded.get("files", [])
+    if "://" not in path and len(files) == 1 and not os.path.isdir(path):
+        if not os.path.exists(path):
+            return False, f"the input {path} no longer exists"
+        st = os.stat(path)
+        if st.st_size == files[0].get("size") and st.st_mtime_ns == files[0].get("mtime_ns"):
+            return True, ""
+    current = input_fingerprint(path)
+    if [f["sha256"] for f in current["files"]] == [f["sha256"] for f in files]:
+        return True, ""
+    return False, f"the input {path} changed since the job started (its content hash differs)"
+
+
+@dataclass
+class State:
+    """Where every row stands: the newest part that has it, and whether that is an error."""
+
+    latest: np.ndarray    # int32 per row id: newest part index holding it, -1 when not committed
+    error: np.ndarray     # bool per row id: newest state is an error row
+
+    @property
+    def done(self) -> np.ndarray:
+        return self.latest >= 0
+
+    def counts(self) -> dict[str, int]:
+        done = int(self.done.sum())
+        errors = int((self.done & self.error).sum())
+        return {"rows": int(self.latest.size), "done": done, "ok": done - errors, "errors": errors,
+                "todo": int(self.latest.size) - done}
+
+
+class JobDir:
+    """A job directory on local disk (see module docstring)."""
+
+    def __init__(self, root: str | os.PathLike):
+        self.root = Path(root)
+        self.meta_path = self.root / "job.json"
+        self.input_dir = self.root / "input"
+        self.parts_dir = self.root / "parts"
+        self.errors_path = self.root / "errors.jsonl"
+        self.stats_path = self.root / "stats.json"
+        self.progress_path = self.root / "progress.json"
+        self.log_path = self.root / "log.txt"
+        self._lock_fh = None
+        self._next_part: int | None = None
+
+    # -- meta --------------------------------------------------------------------------------
+
+    def exists(self) -> bool:
+        return self.meta_path.exists()
+
+    def meta(self) -> dict[str, Any]:
+        if not self.exists():
+            raise JobError(f"{self.root} is not a job directory (no job.json)")
+        return json.loads(self.meta_path.read_text())
+
+    def write_meta(self, meta: dict[str, Any]) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(self.meta_path, meta)
+
+    def log(self, message: str) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "a") as fh:
+            fh.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {message}\n")
+
+    # -- lock --------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[None]:
+        """Hold the job's lock (one driver per job dir)."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        fh = open(self.root / "lock", "a+")
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            fh.seek(0)
+            holder = fh.read().strip()
+            fh.close()
+            raise JobError(f"job {self.root} is running in another process ({holder or 'pid unknown'}); "
+                           "wait for it, or stop it first") from None
+        fh.seek(0)
+        fh.truncate()
+        fh.write(f"pid {os.getpid()} on {os.uname().nodename}")
+        fh.flush()
+        self._lock_fh = fh
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+            fh.close()
+            self._lock_fh = None
+
+    def is_running(self) -> bool:
+        """Whether a driver holds this job's lock right now."""
+        path = self.root / "lock"
+        if not path.exists():
+            return False
+        with open(path, "a+") as fh:
+            try:
+                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            fcntl.flock(fh, fcntl.LOCK_UN)
+        return False
+
+    # -- staging -----------------------------------------------------------------------------
+
+    def staged_files(self) -> list[Path]:
+        return sorted(self.input_dir.glob("part-*.parquet"))
+
+    def stage(self, path: str, fmt: str | None, columns: list[str] | None, limit: int | None,
+              id_column: str | None) -> dict[str, Any]:
+        """Read the input once into ``input/`` with stable row ids; returns what it learned.
+
+        Raises :class:`JobError` when ``id_column`` is missing or has duplicate values.
+        """
+        import shutil
+
+        if self.input_dir.exists():
+            shutil.rmtree(self.input_dir)
+        tmp_dir = self.root / ".input.tmp"
+        if tmp_dir.exists():
+            shutil.rmtree(tmp_dir)
+        tmp_dir.mkdir(parents=True)
+        next_id = 0
+        part = 0
+        keys: list[int] = []
+        seen_columns: dict[str, None] = {}
+        buffer: list[dict[str, Any]] = []
+
+        def flush() -> None:
+            nonlocal part, buffer
+            if not buffer:
+                return
+            ids = pa.array([r[ROW_ID] for r in buffer], pa.int64())
+            key_text = pa.array([_key_text(r, id_column) for r in buffer], pa.string())
+            state = pa.array([pickle.dumps(r, protocol=5) for r in buffer], pa.binary())
+            table = pa.table({ROW_ID: ids, KEY_COLUMN: key_text, STATE_COLUMN: state})
+            pq.write_table(table, tmp_dir / f"part-{part:05d}.parquet")
+            part += 1
+            buffer = []
+
+        for rows in read_rows(path, fmt, columns, limit):
+            for row in rows:
+                read_error = row.pop(READ_ERROR, "")
+                seen_columns.update(dict.fromkeys(row))
+                row[ROW_ID] = next_id
+                if read_error:
+                    row[ERROR_COLUMN] = read_error
+                if id_column is not None:
+                    if id_column not in row and not read_error:
+                        raise JobError(f"input.id_column {id_column!r} is not a column of the input; "
+                                       f"columns: {sorted(seen_columns)}")
+                    value = row.get(id_column)
+                    if is_missing(value) or value == "":
+                        row.setdefault(ERROR_COLUMN, f"read: MissingIdError: the id column {id_column!r} is empty in this row")
+                        keys.append(_hash(f"\0missing-{next_id}"))
+                    else:
+                        keys.append(_hash(str(value)))
+                next_id += 1
+                buffer.append(row)
+                if len(buffer) >= STAGE_ROWS:
+                    flush()
+        flush()
+        columns_list = list(seen_columns)
+        if id_column is not None and keys:
+            self._check_duplicates(np.asarray(keys, dtype=np.uint64), tmp_dir, id_column)
+        os.replace(tmp_dir, self.input_dir)
+        fsync_dir(self.root)
+        return {"rows": next_id, "columns": columns_list}
+
+    def _check_duplicates(self, keys: np.ndarray, staged: Path, id_column: str) -> None:
+        uniq, counts = np.unique(keys, return_counts=True)
+        dup_hashes = set(uniq[counts > 1].tolist())
+        if not dup_hashes:
+            return
+        examples: dict[str, int] = {}
+        for f in sorted(staged.glob("part-*.parquet")):
+            for text in pq.read_table(f, columns=[KEY_COLUMN]).column(0).to_pylist():
+                if text is not None and _hash(text) in dup_hashes:
+                    examples[text] = examples.get(text, 0) + 1
+        shown = ", ".join(f"{k!r} ({n} rows)" for k, n in list(examples.items())[:5])
+        raise JobError(
+            f"input.id_column {id_column!r} has duplicate values: {shown}"
+            f"{' and more' if len(examples) > 5 else ''} ({len(dup_hashes)} duplicated ids in all). "
+            "Ids must be unique: fix the input, pick another id_column, or drop id_column to use row positions."
+        )
+
+    # -- parts -------------------------------------------------------------------------------
+
+    def part_files(self) -> list[Path]:
+        return sorted(self.parts_dir.glob("part-*.parquet"))
+
+    @staticmethod
+    def part_index(path: Path) -> int:
+        return int(path.stem.split("-")[1])
+
+    def clean_temporaries(self) -> None:
+        if self.parts_dir.exists():
+            for tmp in self.parts_dir.glob(".*.tmp"):
+                tmp.unlink()
+
+    def commit(self, table: pa.Table) -> Path:
+        """Write one part atomically; returns its path."""
+        self.parts_dir.mkdir(parents=True, exist_ok=True)
+        if self._next_part is None:
+            files = self.part_files()
+            self._next_part = self.part_index(files[-1]) + 1 if files else 0
+        path = self.parts_dir / f"part-{self._next_part:06d}.parquet"
+        tmp = self.parts_dir / f".{path.name}.tmp"
+        with open(tmp, "wb") as fh:
+            pq.write_table(table, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+        fsync_dir(self.parts_dir)
+        self._next_part += 1
+        return path
+
+    def state(self, rows: int | None = None) -> State:
+        """Scan the parts (ids and error flags only) into a :class:`State`."""
+        rows = self.meta()["rows"] if rows is None else rows
+        latest = np.full(rows, -1, dtype=np.int32)
+        error = np.zeros(rows, dtype=bool)
+        for path in self.part_files():
+            t = pq.read_table(path, columns=[ROW_ID, ERROR_COLUMN])
+            ids = t.column(0).to_numpy()
+            errs = np.array([bool(e) for e in t.column(1).to_pylist()], dtype=bool)
+            latest[ids] = self.part_index(path)
+            error[ids] = errs
+        return State(latest, error)
+
+    # -- output ------------------------------------------------------------------------------
+
+    def iter_final_rows(self, state: State) -> Iterator[tuple[pa.Table, np.ndarray]]:
+        """Each part with the mask of its rows that are the newest state of their id."""
+        for path in self.part_files():
+            table = pq.read_table(path)
+            ids = table.column(ROW_ID).to_numpy()
+            mask = state.latest[ids] == self.part_index(path)
+            if mask.any():
+                yield table, mask
+
+
+def _hash(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "little")
+
+
+def _key_text(row: dict[str, Any], id_column: str | None) -> str | None:
+    if id_column is None:
+        return str(row[ROW_ID])
+    value = row.get(id_column)
+    return None if is_missing(value) else str(value)
+
+
+def error_record(row: dict[str, Any], id_value: Any, input_columns: list[str]) -> dict[str, Any]:
+    """One line of errors.jsonl."""
+    stage, etype, message = parse_error(row.get(ERROR_COLUMN) or "")
+    shown: dict[str, Any] = {}
+    budget = ERROR_ROW_CHARS * 5
+    for col in input_columns:
+        if col not in row:
+            continue
+        value = row[col]
+        text = value if isinstance(value, str) else json.dumps(value, default=str)
+        if len(text) > ERROR_ROW_CHARS:
+            value = text[:ERROR_ROW_CHARS] + f"...[{len(text) - ERROR_ROW_CHARS} more chars]"
+        budget -= min(len(text), ERROR_ROW_CHARS)
+        if budget < 0:
+            shown["..."] = "more columns left out"
+            break
+        shown[col] = value
+    return {"id": id_value, "stage": stage, "error_type": etype, "message": message, "row": shown}
+

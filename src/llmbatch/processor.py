@@ -1,0 +1,389 @@
+"""Processor and its builders: configs in, a lazy Ray Data pipeline out.
+
+``build_processor(config, preprocess=..., postprocess=...)`` returns a :class:`Processor`;
+``processor(ds)`` returns a lazy ``ray.data.Dataset``. Building has no side effects (no
+``ray.init``, no downloads); calling the processor checks the cluster (Ray starts itself on a
+laptop), lays the stages out as Ray Data operators and returns at once.
+
+Operators: consecutive CPU stages with the same settings run fused in one operator (one pool
+of workers, no extra hops); the engine stage is a pool of ``concurrency`` replicas.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from llmbatch.config import (
+    HttpRequestProcessorConfig,
+    OfflineProcessorConfig,
+    ProcessorConfig,
+    SGLangEngineProcessorConfig,
+    StageConfig,
+    vLLMEngineProcessorConfig,
+)
+from llmbatch.errors import ConfigError, ResourceError
+from llmbatch.stages.base import Stage
+from llmbatch.stages.runner import StageRunner
+
+logger = logging.getLogger(__name__)
+
+UserFn = Callable[[dict[str, Any]], dict[str, Any]]
+
+#: CPUs a CPU-stage worker reserves unless its stage config says otherwise: small, so stage
+#: workers never take the cores the engine replicas and the reader need.
+DEFAULT_STAGE_NUM_CPUS = 0.1
+#: Ray Data block size for the pipeline: small, so rows that leave the engine as they finish
+#: travel on at once instead of waiting for a full 128 MiB block.
+STREAM_BLOCK_BYTES = 64 * 1024
+#: How long replicas may take to start (model download and load included).
+ENGINE_START_TIMEOUT_S = 3600
+
+
+@dataclass
+class Operator:
+    """One Ray Data operator: stages run fused, with one pool's settings."""
+
+    name: str
+    stages: list[Stage]
+    batch_size: int
+    min_workers: int
+    max_workers: int
+    remote_args: dict[str, Any] = field(default_factory=dict)
+    max_tasks_in_flight: int | None = None
+    max_concurrent_calls: int = 1
+
+
+@dataclass
+class StageSpec:
+    """A stage with the settings of the pool it runs in."""
+
+    stage: Stage
+    config: StageConfig | None = None
+    remote_args: dict[str, Any] | None = None  # from preprocess_map_kwargs/postprocess_map_kwargs
+
+
+class Processor:
+    """A batch pipeline: preprocess -> stages -> postprocess over a Ray Dataset.
+
+    Call it on a dataset to get the output dataset (lazy). ``list_stage_names()`` and
+    ``get_stage_by_name()`` show what it runs.
+    """
+
+    def __init__(self, config: ProcessorConfig, pre: list[StageSpec], engine: Stage, post: list[StageSpec],
+                 *, engine_remote_args: Callable[[], dict[str, Any]] | None = None,
+                 keep_private: tuple[str, ...] = ()):
+        self.config = config
+        self._pre = pre
+        self._engine = engine
+        self._post = post
+        self._engine_remote_args = engine_remote_args
+        self.keep_private = keep_private
+
+    # -- introspection -----------------------------------------------------------------------
+
+    @property
+    def stages(self) -> list[Stage]:
+        return [s.stage for s in self._pre] + [self._engine] + [s.stage for s in self._post]
+
+    def list_stage_names(self) -> list[str]:
+        return [s.name for s in self.stages]
+
+    def get_stage_by_name(self, name: str) -> Stage:
+        for stage in self.stages:
+            if stage.name == name:
+                return stage
+        raise ValueError(f"no stage named {name!r}; stages: {self.list_stage_names()}")
+
+    # -- layout ------------------------------------------------------------------------------
+
+    def _cpu_settings(self, spec: StageSpec) -> tuple:
+        """Stages with equal settings share an operator."""
+        if spec.remote_args:
+            return ("map_kwargs", tuple(sorted((k, repr(v)) for k, v in spec.remote_args.items())))
+        cfg = spec.config
+        if cfg is None:
+            return (None, None, None, None, None)
+        return (cfg.batch_size, cfg.concurrency, cfg.num_cpus, cfg.memory,
+                None if cfg.runtime_env is None else repr(cfg.runtime_env))
+
+    def _cpu_operators(self, specs: list[StageSpec], label: str) -> list[Operator]:
+        groups: list[list[StageSpec]] = []
+        for spec in specs:
+            if groups and self._cpu_settings(groups[-1][-1]) == self._cpu_settings(spec):
+                groups[-1].append(spec)
+            else:
+                groups.append([spec])
+        lo, hi = self.config.concurrency_range()
+        ops = []
+        for group in groups:
+            cfg = next((s.config for s in group if s.config is not None), None)
+            extra = next((s.remote_args for s in group if s.remote_args), None) or {}
+            concurrency = (cfg.concurrency if cfg and cfg.concurrency else None) or extra.get("concurrency") or hi
+            workers = (concurrency, concurrency) if isinstance(concurrency, tuple) else (1, concurrency)
+            remote = {"num_cpus": DEFAULT_STAGE_NUM_CPUS}
+            if cfg is not None:
+                if cfg.num_cpus is not None:
+                    remote["num_cpus"] = cfg.num_cpus
+                if cfg.memory is not None:
+                    remote["memory"] = cfg.memory
+                if cfg.runtime_env is not None:
+                    remote["runtime_env"] = cfg.runtime_env
+            remote.update({k: v for k, v in extra.items() if k in ("num_cpus", "memory", "runtime_env", "resources")})
+            batch_size = (cfg.batch_size if cfg and cfg.batch_size else None) or self.config.batch_size
+            name = "+".join(s.stage.name for s in group)
+            ops.append(Operator(f"{label}:{name}", [s.stage for s in group], batch_size, workers[0], workers[1], remote))
+        return ops
+
+    def _engine_operator(self, cluster: dict[str, float], cpu_reserved: float) -> Operator:
+        cfg = self.config
+        lo, hi = cfg.concurrency_range()
+        remote: dict[str, Any] = {}
+        gpus_per_replica = cfg.devices_per_replica() if isinstance(cfg, vLLMEngineProcessorConfig) else 1
+        use_gpu = cluster.get("GPU", 0) > 0 and not isinstance(cfg, HttpRequestProcessorConfig)
+        if use_gpu:
+            remote["num_gpus"] = gpus_per_replica
+            remote["num_cpus"] = 1
+        else:
+            remote["num_cpus"] = engine_cpu_share(cluster.get("CPU", 1), hi, cpu_reserved)
+        if cfg.accelerator_type:
+            remote["accelerator_type"] = cfg.accelerator_type
+        runtime_env = getattr(cfg, "runtime_env", None)
+        if runtime_env:
+            remote["runtime_env"] = runtime_env
+        max_batches = getattr(cfg, "max_concurrent_batches", 8)
+        in_flight = getattr(cfg, "max_tasks_in_flight_per_actor", None) or 2 * max_batches
+        if self._engine_remote_args is not None and use_gpu:
+            remote["ray_remote_args_fn"] = self._engine_remote_args
+            remote.pop("num_gpus", None)
+        return Operator("engine", [self._engine], cfg.batch_size, lo, hi, remote, in_flight, max_batches)
+
+    def operators(self, cluster: dict[str, float] | None = None) -> list[Operator]:
+        """The Ray Data operators this processor runs, in order."""
+        cluster = cluster if cluster is not None else {"CPU": 2.0}
+        pre = self._cpu_operators(self._pre, "prepare") if self._pre else []
+        post = self._cpu_operators(self._post, "finish")
+        reserved = sum(op.max_workers * op.remote_args.get("num_cpus", 1.0) for op in pre + post)
+        return pre + [self._engine_operator(cluster, reserved)] + post
+
+    # -- running -----------------------------------------------------------------------------
+
+    def __call__(self, dataset):
+        import ray
+        import ray.data
+
+        from llmbatch.cluster import check_accelerator, ensure_ray
+
+        ensure_ray()
+        cluster = ray.cluster_resources()
+        if self.config.accelerator_type:
+            check_accelerator(self.config.accelerator_type, cluster)
+        _check_input_columns(dataset)
+        ds = ray.data.Dataset.copy(dataset, _deep_copy=True)
+        ds.context.target_max_block_size = STREAM_BLOCK_BYTES
+        # Start every replica before rows flow: all of them share the work from the first
+        # batch on, and an engine that cannot start fails the run at once with its reason.
+        ds.context.wait_for_min_actors_s = max(ds.context.wait_for_min_actors_s, ENGINE_START_TIMEOUT_S)
+        ops = self.operators(cluster)
+        task_type = getattr(self.config, "task_type", "generate")
+        include_error = bool(getattr(self.config, "should_continue_on_error", False))
+        for i, op in enumerate(ops):
+            sink = i == len(ops) - 1
+            remote = dict(op.remote_args)
+            remote_fn = remote.pop("ray_remote_args_fn", None)
+            pool = dict(size=op.min_workers) if op.min_workers == op.max_workers else dict(
+                min_size=op.min_workers, max_size=op.max_workers)
+            if op.max_concurrent_calls > 1:
+                pool.update(max_concurrent_calls_per_actor=op.max_concurrent_calls, enable_true_multi_threading=True)
+            compute = ray.data.ActorPoolStrategy(max_tasks_in_flight_per_actor=op.max_tasks_in_flight, **pool)
+            kwargs = dict(
+                fn_constructor_kwargs=dict(stages=op.stages, sink=sink, task_type=task_type,
+                                           include_error_column=include_error, keep_private=self.keep_private),
+                batch_size=op.batch_size,
+                batch_format="pyarrow",
+                zero_copy_batch=True,
+                compute=compute,
+                **remote,
+            )
+            if remote_fn is not None:
+                kwargs["ray_remote_args_fn"] = remote_fn
+            ds = ds.map_batches(StageRunner, **kwargs)
+        return ds
+
+
+def engine_cpu_share(cluster_cpus: float, replicas: int, cpu_reserved: float) -> float:
+    """CPUs each engine replica reserves on a cluster without GPUs.
+
+    One each when there is room; otherwise an equal share of what is left after one CPU for
+    the reader and what the CPU stages reserve, so that no operator waits forever for a core
+    (the engine uses every core it is given by the OS either way: this is bookkeeping).
+    """
+    room = cluster_cpus - 1.0 - cpu_reserved
+    if room >= replicas:
+        return 1.0
+    share = max(room, 0.01 * replicas) / replicas
+    return max(0.01, math.floor(share * 100) / 100)
+
+
+def _check_input_columns(dataset) -> None:
+    from llmbatch.rows import PRIVATE_PREFIX
+    from llmbatch.stages.runner import STATE_COLUMN
+
+    try:
+        names = dataset.columns(fetch_if_missing=False) or []
+    except Exception:  # noqa: BLE001 - schema unknown until it runs; checked per row then
+        return
+    bad = [n for n in names if n == STATE_COLUMN]
+    if bad:
+        raise ConfigError(f"input column {bad[0]!r} is reserved by llmbatch; rename it")
+    _ = PRIVATE_PREFIX
+
+
+# ---------------------------------------------------------------------------- builders
+
+Builder = Callable[..., Processor]
+_REGISTRY: dict[type, Builder] = {}
+
+
+def register(config_type: type) -> Callable[[Builder], Builder]:
+    """Register the builder of processors for ``config_type``."""
+
+    def deco(fn: Builder) -> Builder:
+        _REGISTRY[config_type] = fn
+        return fn
+
+    return deco
+
+
+def build_processor(config: ProcessorConfig, preprocess: UserFn | None = None,
+                    postprocess: UserFn | None = None, *, preprocess_map_kwargs: dict[str, Any] | None = None,
+                    postprocess_map_kwargs: dict[str, Any] | None = None, builder_kwargs: dict[str, Any] | None = None,
+                    **kwargs: Any) -> Processor:
+    """Build a processor for ``config`` (Ray's ``build_processor``/``build_llm_processor``).
+
+    ``preprocess(row) -> dict`` returns the request fields (``messages`` or ``prompt``,
+    ``sampling_params``...); ``postprocess(row) -> dict`` returns the output row.
+    """
+    for cls in type(config).__mro__:
+        if cls in _REGISTRY:
+            extra = {**(builder_kwargs or {}), **kwargs}
+            return _REGISTRY[cls](config, preprocess=preprocess, postprocess=postprocess,
+                                  preprocess_map_kwargs=preprocess_map_kwargs,
+                                  postprocess_map_kwargs=postprocess_map_kwargs, **extra)
+    raise ConfigError(f"no processor for {type(config).__name__}; known: {', '.join(c.__name__ for c in _REGISTRY)}")
+
+
+build_llm_processor = build_processor
+
+
+def _engine_max_model_len(config: vLLMEngineProcessorConfig) -> int | None:
+    value = config.engine_kwargs.get("max_model_len")
+    return int(value) if value is not None else None
+
+
+@register(vLLMEngineProcessorConfig)
+def build_vllm_processor(config: vLLMEngineProcessorConfig, *, preprocess: UserFn | None = None,
+                         postprocess: UserFn | None = None, preprocess_map_kwargs: dict[str, Any] | None = None,
+                         postprocess_map_kwargs: dict[str, Any] | None = None,
+                         chat_template_kwargs: dict[str, Any] | None = None,
+                         keep_private: tuple[str, ...] = ()) -> Processor:
+    """The vLLM processor: [preprocess] -> [multimodal] -> chat template -> tokenize -> vLLM ->
+    detokenize -> [postprocess]."""
+    from llmbatch.engines.vllm import VLLMEngine
+    from llmbatch.stages.chat_template import ChatTemplateStage
+    from llmbatch.stages.detokenize import DetokenizeStage
+    from llmbatch.stages.engine import EngineStage
+    from llmbatch.stages.multimodal import PrepareMultimodalStage
+    from llmbatch.stages.tokenize import TokenizeStage
+    from llmbatch.stages.user_fns import PostprocessStage, PreprocessStage
+
+    keep_going = config.should_continue_on_error
+    trust = bool(config.engine_kwargs.get("trust_remote_code", False))
+    generate = config.task_type == "generate"
+    pre: list[StageSpec] = []
+    if preprocess is not None:
+        pre.append(StageSpec(PreprocessStage(preprocess, keep_going), None, preprocess_map_kwargs))
+    mm = config.prepare_multimodal_stage
+    if mm.enabled:
+        pre.append(StageSpec(PrepareMultimodalStage(config.model_source, mm.model_config_kwargs,
+                                                    mm.chat_template_content_format, keep_going), mm))
+    ct = config.chat_template_stage
+    if ct.enabled:
+        pre.append(StageSpec(ChatTemplateStage(
+            ct.model_source or config.model_source, ct.chat_template,
+            {**(chat_template_kwargs or {}), **(ct.chat_template_kwargs or {})}, trust, keep_going), ct))
+    tk = config.tokenize_stage
+    if tk.enabled:
+        pre.append(StageSpec(TokenizeStage(tk.model_source or config.model_source, _engine_max_model_len(config),
+                                           trust, keep_going), tk))
+    lo, hi = config.concurrency_range()
+    engine = EngineStage(
+        VLLMEngine(config.model_source, config.engine_kwargs, config.task_type, config.dynamic_lora_loading_path,
+                   replicas_per_node=hi),
+        max_pending_requests=config.max_pending_requests,
+        dedup=config.dedup_requests,
+        sort_by_prefix=config.sort_by_prefix,
+        flush_rows=max(1, min(64, config.batch_size // 4)),
+        continue_on_error=keep_going,
+    )
+    post: list[StageSpec] = []
+    dt = config.detokenize_stage
+    if dt.enabled and generate:
+        post.append(StageSpec(DetokenizeStage(dt.model_source or config.model_source, trust, keep_going), dt))
+    if postprocess is not None:
+        post.append(StageSpec(PostprocessStage(postprocess, keep_going), None, postprocess_map_kwargs))
+    if not post:
+        post.append(StageSpec(_Passthrough(keep_going), None))
+    remote_fn = None
+    if config.placement_group_config:
+        remote_fn = _placement_group_fn(config)
+    return Processor(config, pre, engine, post, engine_remote_args=remote_fn, keep_private=keep_private)
+
+
+class _Passthrough(Stage):
+    """The last operator when nothing else runs after the engine: shapes the output rows."""
+
+    name = "output"
+
+    def process_row(self, row) -> None:
+        return None
+
+
+def _placement_group_fn(config: vLLMEngineProcessorConfig) -> Callable[[], dict[str, Any]]:
+    """A fresh placement group per replica (Ray's ``placement_group_config``)."""
+    pg_config = dict(config.placement_group_config or {})
+    n = config.devices_per_replica()
+    accelerator = config.accelerator_type
+
+    def remote_args() -> dict[str, Any]:
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        if "bundles" in pg_config:
+            bundles = [dict(b) for b in pg_config["bundles"]]
+        else:
+            bundles = [dict(pg_config["bundle_per_worker"]) for _ in range(n)]
+        if accelerator:
+            for b in bundles:
+                b[f"accelerator_type:{accelerator}"] = 0.001
+        pg = ray.util.placement_group(bundles, strategy=pg_config.get("strategy", "PACK"))
+        return {"scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_capture_child_tasks=True)}
+
+    return remote_args
+
+
+@register(SGLangEngineProcessorConfig)
+def build_sglang_processor(config: SGLangEngineProcessorConfig, **_: Any) -> Processor:
+    from llmbatch.errors import MissingDependencyError
+
+    try:
+        import sglang  # noqa: F401
+    except ImportError as exc:
+        raise MissingDependencyError("SGLangEngineProcessorConfig", "sglang") from exc
+    raise ConfigError("the SGLang engine is not supported by this llmbatch version yet; use vLLMEngineProcessorConfig")
+
+
+_ = OfflineProcessorConfig

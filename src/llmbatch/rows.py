@@ -1,0 +1,116 @@
+"""The row contract: names of the columns stages read and write, and error rows.
+
+Preprocess returns (names exactly as Ray's ``ray.data.llm``):
+
+- ``messages``: OpenAI chat messages, or ``prompt``: text that skips the chat template
+- ``sampling_params``: vLLM ``SamplingParams`` fields for this row (generate)
+- ``pooling_params``: vLLM ``PoolingParams`` fields for this row (embed/classify/score)
+- ``model``: a LoRA adapter name/path for this row
+- ``chat_template_kwargs``: extra variables for this row's chat template
+
+The engine adds :data:`ENGINE_OUTPUT_COLUMNS`; ``__inference_error__`` is ``""`` on success and
+``"<stage>: <ErrorType>: <message>"`` on a failed row, which then skips the later stages and
+the user's postprocess.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+Row = dict[str, Any]
+
+ERROR_COLUMN = "__inference_error__"
+
+#: Columns the engine stage writes on every generate row.
+GENERATE_OUTPUT_COLUMNS = (
+    "generated_text",
+    "generated_tokens",
+    "num_input_tokens",
+    "num_generated_tokens",
+    "prompt",
+    "finish_reason",
+    "time_taken_llm",
+    "request_id",
+    "batch_uuid",
+)
+#: Columns the engine stage writes on every embed/classify/score row.
+POOLING_OUTPUT_COLUMNS = (
+    "embeddings",
+    "num_input_tokens",
+    "prompt",
+    "time_taken_llm",
+    "request_id",
+    "batch_uuid",
+)
+ENGINE_OUTPUT_COLUMNS = tuple(dict.fromkeys(GENERATE_OUTPUT_COLUMNS + POOLING_OUTPUT_COLUMNS))
+
+#: Request fields that preprocess produces and the stages consume; they are not part of the
+#: output row (as in Ray, where the engine stage pops them).
+REQUEST_COLUMNS = (
+    "sampling_params",
+    "pooling_params",
+    "tokenized_prompt",
+    "chat_template_kwargs",
+    "multimodal_data",
+    "mm_processor_kwargs",
+    "multimodal_uuids",
+    "tokenization_kwargs",
+)
+
+#: Private bookkeeping keys carried between stages; never shown to users.
+PRIVATE_PREFIX = "__llmbatch_"
+ROW_ID = "__llmbatch_id"              # the job's row id (or None outside jobs)
+ORIGINAL_COLUMNS = "__llmbatch_cols"  # the input columns, to rebuild the default output row
+ADD_SPECIAL_TOKENS = "__llmbatch_add_special_tokens"
+STATS = "__llmbatch_stats"            # per-row engine facts the job layer aggregates
+
+
+def is_error(row: Row) -> bool:
+    """Whether ``row`` is an error row."""
+    return bool(row.get(ERROR_COLUMN))
+
+
+def error_text(stage: str, exc: BaseException) -> str:
+    """The ``__inference_error__`` text for ``exc`` raised in ``stage``."""
+    message = str(exc).strip() or repr(exc)
+    return f"{stage}: {type(exc).__name__}: {message}"
+
+
+def parse_error(text: str) -> tuple[str, str, str]:
+    """Split an ``__inference_error__`` text into (stage, error type, message)."""
+    parts = text.split(": ", 2)
+    while len(parts) < 3:
+        parts.insert(0, "")
+    return parts[0], parts[1], parts[2]
+
+
+def describe_row(row: Row, limit: int = 120) -> str:
+    """A short way to name a row in an error message: its job id, else its first values."""
+    if row.get(ROW_ID) is not None:
+        return str(row[ROW_ID])
+    shown = {k: v for k, v in row.items() if not k.startswith("__")}
+    text = repr(dict(list(shown.items())[:4]))
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def is_missing(value: Any) -> bool:
+    """None or NaN (how missing cells arrive from CSV/Parquet/pandas)."""
+    if value is None:
+        return True
+    try:
+        return isinstance(value, float) and math.isnan(value)
+    except TypeError:
+        return False
+
+
+def to_python(value: Any) -> Any:
+    """Turn numpy arrays/scalars (as Ray Data hands lists over) back into plain Python."""
+    if isinstance(value, dict):
+        return {k: to_python(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [to_python(v) for v in value]
+    tolist = getattr(value, "tolist", None)
+    if tolist is not None and type(value).__module__ == "numpy":
+        return to_python(tolist())
+    return value

@@ -1,0 +1,107 @@
+"""The stage contract: one async method over a batch of rows.
+
+A stage declares the keys it needs (:attr:`Stage.required_keys`), loads heavy state lazily in
+the worker (:meth:`Stage.setup`), and turns rows into rows. ``await``-ing is optional: most
+stages are synchronous per-row functions (:meth:`Stage.process_row`); the engine stage
+overrides :meth:`Stage.__call__` to stream rows out as they finish.
+
+Errors are per row. A row whose processing raises becomes an error row (its
+``__inference_error__`` says ``"<stage>: <ErrorType>: <message>"``) and skips every later
+stage; when the processor does not continue on error, the first such row fails the run with a
+:class:`~llmbatch.errors.RowError` carrying the same text and the row id.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import ClassVar
+
+from llmbatch.errors import RowError
+from llmbatch.rows import ERROR_COLUMN, Row, describe_row, error_text, is_error
+
+
+class Stage:
+    """Base class of all stages. Subclasses set :attr:`name` and implement one of
+    :meth:`process_row`, :meth:`process_batch` or :meth:`__call__`."""
+
+    #: The stage's name, as it appears in error texts ("tokenize", "engine", ...).
+    name: ClassVar[str] = "stage"
+    #: Keys every (non-error) input row must have; missing keys fail the row.
+    required_keys: ClassVar[tuple[str, ...]] = ()
+    #: Alternative key sets: a row must have at least one key of each tuple.
+    required_any: ClassVar[tuple[tuple[str, ...], ...]] = ()
+
+    def __init__(self, continue_on_error: bool = False):
+        self.continue_on_error = continue_on_error
+        self._ready = False
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def setup(self) -> None:
+        """Load heavy state (tokenizers). Runs once, in the worker, before first use."""
+
+    async def start(self) -> None:
+        """Acquire state that must exist before the first batch (the engine overrides this to
+        start the model server, so that a model that cannot load fails the replica at once)."""
+
+    def ensure_setup(self) -> None:
+        if not self._ready:
+            self.setup()
+            self._ready = True
+
+    async def close(self) -> None:
+        """Release what :meth:`setup` acquired."""
+
+    # -- errors ------------------------------------------------------------------------------
+
+    def fail(self, row: Row, exc: BaseException) -> Row:
+        """Mark ``row`` as failed in this stage, or raise when errors are not kept."""
+        if not self.continue_on_error:
+            message = str(exc).strip() or repr(exc)
+            raise RowError(self.name, type(exc).__name__, message, describe_row(row)) from exc
+        row[ERROR_COLUMN] = error_text(self.name, exc)
+        return row
+
+    def missing_keys(self, row: Row) -> list[str]:
+        missing = [k for k in self.required_keys if k not in row or row[k] is None]
+        for group in self.required_any:
+            if not any(row.get(k) is not None for k in group):
+                missing.append(" or ".join(group))
+        return missing
+
+    def check_keys(self, row: Row) -> bool:
+        """True when ``row`` has what this stage needs; otherwise marks it failed."""
+        missing = self.missing_keys(row)
+        if not missing:
+            return True
+        present = sorted(k for k in row if not k.startswith("__"))
+        self.fail(row, KeyError(
+            f"stage '{self.name}' needs {', '.join(repr(m) for m in missing)} in the row, which has "
+            f"{present}; return them from preprocess"
+        ))
+        return False
+
+    # -- processing --------------------------------------------------------------------------
+
+    def process_row(self, row: Row) -> None:
+        """Update ``row`` in place. Raise to fail the row."""
+        raise NotImplementedError
+
+    def process_batch(self, rows: list[Row]) -> None:
+        """Update ``rows`` in place; the default calls :meth:`process_row` on each row and
+        turns its exceptions into error rows."""
+        for row in rows:
+            try:
+                self.process_row(row)
+            except RowError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - any failure of one row is that row's error
+                self.fail(row, exc)
+
+    async def __call__(self, rows: list[Row]) -> AsyncIterator[list[Row]]:
+        """Process a batch; yield finished rows (error rows pass straight through)."""
+        self.ensure_setup()
+        todo = [r for r in rows if not is_error(r) and self.check_keys(r)]
+        if todo:
+            self.process_batch(todo)
+        yield rows

@@ -1,0 +1,30 @@
+"""The detokenize stage: ``generated_tokens`` -> ``generated_text`` where the engine left the
+text out (requests made with ``detokenize=False``)."""
+
+from __future__ import annotations
+
+from llmbatch.models import load_tokenizer
+from llmbatch.rows import Row
+from llmbatch.stages.base import Stage
+
+
+class DetokenizeStage(Stage):
+    name = "detokenize"
+
+    def __init__(self, model_source: str, trust_remote_code: bool = False, continue_on_error: bool = False):
+        super().__init__(continue_on_error)
+        self.model_source = model_source
+        self.trust_remote_code = trust_remote_code
+        self.tokenizer = None
+
+    def process_batch(self, rows: list[Row]) -> None:
+        todo = [r for r in rows if r.get("generated_tokens") and not r.get("generated_text")]
+        if not todo:
+            return
+        if self.tokenizer is None:
+            self.tokenizer = load_tokenizer(self.model_source, self.trust_remote_code)
+        for row in todo:
+            try:
+                row["generated_text"] = self.tokenizer.decode(row["generated_tokens"], skip_special_tokens=True)
+            except Exception as exc:  # noqa: BLE001
+                self.fail(row, exc)

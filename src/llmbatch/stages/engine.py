@@ -1,0 +1,203 @@
+"""The engine stage: many requests in flight, rows streamed out as they finish.
+
+Per replica, the stage keeps up to ``max_pending_requests`` requests inside the engine across
+all the batches it is working on, so a batch's slow tail never starves the engine. Finished
+rows leave in small chunks (``flush_rows`` rows or ``flush_seconds``), so one long generation
+does not hold back the rows of its batch that finished before it.
+
+Workload-level savings the engine cannot make alone:
+
+- identical deterministic requests (same prompt, same sampling params, greedy or seeded) are
+  sent once; the answer is copied to every such row (``dedup``);
+- a batch is submitted in prompt order, so rows sharing a prompt prefix run together and hit
+  the engine's prefix cache (``sort_by_prefix``).
+
+A dead engine is restarted and its in-flight rows are retried up to ``max_attempts`` times;
+rows that still fail become error rows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import math
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from llmbatch.engines.base import Engine, Request
+from llmbatch.errors import EngineDiedError, EngineStartError
+from llmbatch.rows import ERROR_COLUMN, STATS, Row, is_error
+from llmbatch.stages.base import Stage
+
+logger = logging.getLogger(__name__)
+
+#: Answers of recent deterministic requests kept per replica for dedup across batches.
+RESULT_CACHE_SIZE = 20_000
+
+
+class EngineStage(Stage):
+    """Runs rows through an engine (see module docstring)."""
+
+    name = "engine"
+    required_any = (("tokenized_prompt", "prompt"),)
+
+    def __init__(self, engine: Engine, *, max_pending_requests: int | None = None, dedup: bool = True,
+                 sort_by_prefix: bool = True, max_attempts: int = 3, flush_rows: int = 16,
+                 flush_seconds: float = 0.5, continue_on_error: bool = False):
+        super().__init__(continue_on_error)
+        self.engine = engine
+        self.max_pending_requests = max_pending_requests
+        self.dedup = dedup
+        self.sort_by_prefix = sort_by_prefix
+        self.max_attempts = max_attempts
+        self.flush_rows = flush_rows
+        self.flush_seconds = flush_seconds
+        self.replica = ""
+        self._semaphore: asyncio.Semaphore | None = None
+        self._inflight: dict[Any, asyncio.Future] = {}
+        self._results: collections.OrderedDict[Any, dict[str, Any]] = collections.OrderedDict()
+        self._generation = 0
+        self._restart_lock: asyncio.Lock | None = None
+
+    async def start(self) -> None:
+        self.replica = f"{os.uname().nodename}:{os.getpid()}"  # the worker's, not the driver's
+        await self.engine.start()
+        limit = self.max_pending_requests
+        if limit is None:
+            limit = math.ceil(self.engine.capacity * 1.1)
+        self._semaphore = asyncio.Semaphore(limit) if limit > 0 else None
+        self._restart_lock = asyncio.Lock()
+        self._ready = True
+
+    async def close(self) -> None:
+        await self.engine.close()
+
+    # -- one request -------------------------------------------------------------------------
+
+    async def _restart(self, generation: int, exc: BaseException) -> None:
+        async with self._restart_lock:
+            if self._generation != generation:
+                return  # another row already restarted it
+            logger.warning("engine died (%s: %s); restarting replica %s", type(exc).__name__, exc, self.replica)
+            try:
+                await self.engine.restart()
+            except EngineStartError:
+                logger.exception("engine could not restart")
+                raise
+            self._generation += 1
+
+    async def _run_once(self, request: Request) -> dict[str, Any]:
+        if self._semaphore is None:
+            return await self.engine.run(request)
+        async with self._semaphore:
+            return await self.engine.run(request)
+
+    async def _run(self, request: Request) -> dict[str, Any]:
+        """Run a request, restarting the engine and retrying when it dies."""
+        attempt = 0
+        while True:
+            generation = self._generation
+            attempt += 1
+            try:
+                return await self._run_once(request)
+            except Exception as exc:  # noqa: BLE001 - sorted below: fatal (retry) or the row's own error
+                if not self.engine.is_fatal(exc):
+                    raise
+                if attempt >= self.max_attempts:
+                    raise EngineDiedError(
+                        f"the engine died {attempt} times while running this row "
+                        f"(last: {type(exc).__name__}: {exc})"
+                    ) from exc
+                await self._restart(generation, exc)
+
+    async def _answer(self, request: Request) -> tuple[dict[str, Any], bool]:
+        """The output for a request and whether it was copied from an identical one."""
+        key = request.key if self.dedup else None
+        if key is None:
+            return await self._run(request), False
+        if key in self._results:
+            self._results.move_to_end(key)
+            return self._results[key], True
+        if key in self._inflight:
+            return await asyncio.shield(self._inflight[key]), True
+        future = asyncio.get_running_loop().create_future()
+        self._inflight[key] = future
+        try:
+            result = await self._run(request)
+        except BaseException as exc:
+            future.set_exception(exc)
+            future.exception()  # mark retrieved: waiters re-raise it themselves
+            raise
+        finally:
+            self._inflight.pop(key, None)
+        future.set_result(result)
+        self._results[key] = result
+        if len(self._results) > RESULT_CACHE_SIZE:
+            self._results.popitem(last=False)
+        return result, False
+
+    async def _process(self, row: Row, request: Request, batch_uuid: str) -> Row:
+        try:
+            result, copied = await self._answer(request)
+        except Exception as exc:  # noqa: BLE001
+            return self.fail(row, exc)
+        result = dict(result)
+        cached = result.pop("num_cached_tokens", 0)
+        row.update(result)
+        row["batch_uuid"] = batch_uuid
+        row[ERROR_COLUMN] = ""
+        row[STATS] = {"replica": self.replica, "cached_tokens": cached, "deduped": copied}
+        for key in ("sampling_params", "pooling_params", "tokenized_prompt"):
+            row.pop(key, None)
+        return row
+
+    # -- a batch -----------------------------------------------------------------------------
+
+    async def __call__(self, rows: list[Row]) -> AsyncIterator[list[Row]]:
+        batch_uuid = uuid.uuid4().hex
+        ready: list[Row] = []
+        work: list[tuple[Row, Request]] = []
+        for row in rows:
+            if is_error(row) or not self.check_keys(row):
+                ready.append(row)
+                continue
+            try:
+                work.append((row, self.engine.build_request(row)))
+            except Exception as exc:  # noqa: BLE001 - invalid request: this row's error
+                ready.append(self.fail(row, exc))
+        if ready:
+            yield ready
+        if self.sort_by_prefix:
+            work.sort(key=lambda item: _sortable(item[1].sort_key))
+        tasks = [asyncio.ensure_future(self._process(row, req, batch_uuid)) for row, req in work]
+        pending = set(tasks)
+        buffer: list[Row] = []
+        first_buffered = 0.0
+        try:
+            while pending:
+                done, pending = await asyncio.wait(pending, timeout=self.flush_seconds,
+                                                   return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    if not buffer:
+                        first_buffered = time.monotonic()
+                    buffer.append(task.result())
+                if buffer and (len(buffer) >= self.flush_rows or not pending
+                               or time.monotonic() - first_buffered >= self.flush_seconds):
+                    yield buffer
+                    buffer = []
+        finally:
+            for task in pending:
+                task.cancel()
+        if buffer:
+            yield buffer
+
+
+def _sortable(key: Any) -> tuple:
+    """Token-id tuples and prompt strings sort together without comparing across types."""
+    if isinstance(key, tuple):
+        return (0, key, "")
+    return (1, (), key or "")

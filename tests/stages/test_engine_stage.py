@@ -1,0 +1,194 @@
+"""The engine stage's scheduling and error paths, with a fake engine (the real engine is
+exercised in tests/e2e)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from llmbatch.engines.base import Request
+from llmbatch.errors import RowError, RowValidationError
+from llmbatch.rows import ERROR_COLUMN, STATS
+from llmbatch.stages.engine import EngineStage
+
+
+class EngineDied(Exception):
+    pass
+
+
+class FakeEngine:
+    def __init__(self, die_on: set[str] | None = None, die_times: int = 1):
+        self.capacity = 8
+        self.calls: list[str] = []
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self.starts = 0
+        self.die_on = die_on or set()
+        self.die_times = die_times
+
+    async def start(self):
+        self.starts += 1
+
+    async def restart(self):
+        await self.start()
+
+    async def close(self):
+        pass
+
+    def is_fatal(self, exc):
+        return isinstance(exc, EngineDied)
+
+    def build_request(self, row):
+        if row["prompt"] == "bad":
+            raise RowValidationError("unknown sampling param 'max_token' (did you mean 'max_tokens'?)")
+        key = (row["prompt"],) if row.get("greedy", True) else None
+        return Request(prompt=row["prompt"], params=None, key=key, sort_key=row["prompt"],
+                       extra={"delay": row.get("delay", 0.01)})
+
+    async def run(self, request):
+        self.calls.append(request.prompt)
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            await asyncio.sleep(request.extra["delay"])
+            if request.prompt in self.die_on and self.die_times > 0:
+                self.die_times -= 1
+                raise EngineDied("engine core died")
+            if request.prompt == "boom":
+                raise ValueError("the engine rejected this request")
+            return {"generated_text": request.prompt.upper(), "num_input_tokens": 1, "num_generated_tokens": 1,
+                    "prompt": request.prompt, "finish_reason": "stop", "time_taken_llm": 0.0, "request_id": 0,
+                    "generated_tokens": [1], "num_cached_tokens": 0}
+        finally:
+            self.in_flight -= 1
+
+
+def run_stage(stage, rows):
+    async def go():
+        await stage.start()
+        chunks = []
+        async for chunk in stage(rows):
+            chunks.append((time.monotonic(), [r["prompt"] for r in chunk]))
+        return chunks
+
+    return asyncio.run(go())
+
+
+def test_rows_stream_out_before_a_slow_row_finishes():
+    rows = [{"prompt": f"p{i}", "delay": 0.01} for i in range(8)] + [{"prompt": "slow", "delay": 1.0}]
+    stage = EngineStage(FakeEngine(), flush_rows=4, flush_seconds=0.1)
+    start = time.monotonic()
+    chunks = run_stage(stage, rows)
+    fast = [t for t, names in chunks if "slow" not in names]
+    assert fast and all(t - start < 0.6 for t in fast)
+    assert sorted(p for _, names in chunks for p in names) == sorted(r["prompt"] for r in rows)
+
+
+def test_identical_requests_run_once_and_fan_out():
+    engine = FakeEngine()
+    rows = [{"prompt": "same"} for _ in range(5)] + [{"prompt": "other"}]
+    stage = EngineStage(engine)
+    out = []
+
+    async def go():
+        await stage.start()
+        async for chunk in stage(rows):
+            out.extend(chunk)
+
+    asyncio.run(go())
+    assert engine.calls.count("same") == 1
+    assert len(out) == 6 and all(r["generated_text"] == r["prompt"].upper() for r in out)
+    assert sum(r[STATS]["deduped"] for r in out) == 4
+
+
+def test_random_sampling_is_not_deduplicated():
+    engine = FakeEngine()
+    rows = [{"prompt": "same", "greedy": False} for _ in range(3)]
+    run_stage(EngineStage(engine), rows)
+    assert engine.calls.count("same") == 3
+
+
+def test_dedup_can_be_switched_off():
+    engine = FakeEngine()
+    run_stage(EngineStage(engine, dedup=False), [{"prompt": "same"} for _ in range(3)])
+    assert engine.calls.count("same") == 3
+
+
+def test_pending_requests_are_bounded():
+    engine = FakeEngine()
+    rows = [{"prompt": f"p{i}", "delay": 0.05} for i in range(20)]
+    run_stage(EngineStage(engine, max_pending_requests=3), rows)
+    assert engine.max_in_flight == 3
+
+
+def test_sorted_by_prompt_when_asked():
+    engine = FakeEngine()
+    rows = [{"prompt": p} for p in ["b2", "a1", "b1", "a2"]]
+    run_stage(EngineStage(engine, max_pending_requests=1), rows)
+    assert engine.calls == ["a1", "a2", "b1", "b2"]
+
+
+def test_dead_engine_is_restarted_and_rows_retried():
+    engine = FakeEngine(die_on={"p1"}, die_times=1)
+    rows = [{"prompt": f"p{i}"} for i in range(4)]
+    out = []
+
+    async def go():
+        stage = EngineStage(engine)
+        await stage.start()
+        async for chunk in stage(rows):
+            out.extend(chunk)
+
+    asyncio.run(go())
+    assert engine.starts == 2
+    assert all(r[ERROR_COLUMN] == "" for r in out) and len(out) == 4
+
+
+def test_engine_that_keeps_dying_gives_error_rows_after_bounded_attempts():
+    engine = FakeEngine(die_on={"p1"}, die_times=99)
+    stage = EngineStage(engine, max_attempts=3, continue_on_error=True)
+    out = []
+
+    async def go():
+        await stage.start()
+        async for chunk in stage([{"prompt": "p0"}, {"prompt": "p1"}]):
+            out.extend(chunk)
+
+    asyncio.run(go())
+    by = {r["prompt"]: r for r in out}
+    assert by["p0"][ERROR_COLUMN] == ""
+    assert by["p1"][ERROR_COLUMN].startswith("engine: EngineDiedError: the engine died 3 times")
+    assert engine.starts == 3
+
+
+def test_bad_rows_become_error_rows_or_raise():
+    rows = [{"prompt": "bad"}, {"prompt": "boom"}, {"prompt": "fine"}]
+    out = []
+
+    async def go(stage):
+        await stage.start()
+        async for chunk in stage([dict(r) for r in rows]):
+            out.extend(chunk)
+
+    asyncio.run(go(EngineStage(FakeEngine(), continue_on_error=True)))
+    by = {r["prompt"]: r[ERROR_COLUMN] for r in out}
+    assert by["bad"].startswith("engine: RowValidationError: unknown sampling param 'max_token'")
+    assert by["boom"] == "engine: ValueError: the engine rejected this request"
+    assert by["fine"] == ""
+    with pytest.raises(RowError, match="RowValidationError"):
+        asyncio.run(go(EngineStage(FakeEngine(), continue_on_error=False)))
+
+
+def test_missing_prompt_names_the_keys():
+    out = []
+
+    async def go():
+        stage = EngineStage(FakeEngine(), continue_on_error=True)
+        await stage.start()
+        async for chunk in stage([{"messages": []}]):
+            out.extend(chunk)
+
+    asyncio.run(go())
+    assert "needs 'tokenized_prompt or prompt'" in out[0][ERROR_COLUMN]

@@ -1,0 +1,122 @@
+import warnings
+
+import pytest
+
+from llmbatch import (
+    ChatTemplateStageConfig,
+    ConfigError,
+    HttpRequestProcessorConfig,
+    TokenizerStageConfig,
+    vLLMEngineProcessorConfig,
+)
+
+MODEL = "smollm2-135m-instruct"
+
+
+def test_defaults_match_ray():
+    c = vLLMEngineProcessorConfig(model_source=MODEL)
+    assert c.batch_size == 32
+    assert c.concurrency == 1
+    assert c.max_concurrent_batches == 8
+    assert c.task_type == "generate"
+    assert c.should_continue_on_error is False
+    assert c.chat_template_stage.enabled and c.tokenize_stage.enabled and c.detokenize_stage.enabled
+    assert not c.prepare_multimodal_stage.enabled
+
+
+def test_unknown_field_names_field_and_suggestion():
+    with pytest.raises(ConfigError) as err:
+        vLLMEngineProcessorConfig(model_source=MODEL, batch_sise=8)
+    assert "batch_sise" in str(err.value) and "batch_size" in str(err.value)
+    assert isinstance(err.value, ValueError)
+
+
+def test_concurrency_validation():
+    with pytest.raises(ConfigError, match="concurrency"):
+        vLLMEngineProcessorConfig(model_source=MODEL, concurrency=0)
+    with pytest.raises(ConfigError, match="min <= max"):
+        vLLMEngineProcessorConfig(model_source=MODEL, concurrency=(3, 1))
+    assert vLLMEngineProcessorConfig(model_source=MODEL, concurrency=(1, 3)).concurrency_range() == (1, 3)
+
+
+def test_unknown_task_type():
+    with pytest.raises(ConfigError, match="task_type"):
+        vLLMEngineProcessorConfig(model_source=MODEL, task_type="summarize")
+
+
+def test_missing_model_path_fails_at_config_time(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        vLLMEngineProcessorConfig(model_source=str(tmp_path / "no-such-model"))
+    with pytest.raises(ConfigError, match="Did you mean the offline alias"):
+        vLLMEngineProcessorConfig(model_source="smollm2-135m-instruc")
+    # hub ids are resolved later, where the engine runs
+    assert vLLMEngineProcessorConfig(model_source="unsloth/Llama-3.1-8B-Instruct").model_source
+
+
+def test_stage_configs_bool_dict_typed():
+    c = vLLMEngineProcessorConfig(
+        model_source=MODEL,
+        chat_template_stage={"chat_template_kwargs": {"enable_thinking": False}, "num_cpus": 0.5},
+        tokenize_stage=TokenizerStageConfig(batch_size=16),
+        detokenize_stage=False,
+    )
+    assert isinstance(c.chat_template_stage, ChatTemplateStageConfig)
+    assert c.chat_template_stage.chat_template_kwargs == {"enable_thinking": False}
+    assert c.tokenize_stage.batch_size == 16
+    assert c.detokenize_stage.enabled is False
+    with pytest.raises(ConfigError, match="chat_templat"):
+        vLLMEngineProcessorConfig(model_source=MODEL, chat_template_stage={"chat_templat": "x"})
+
+
+@pytest.mark.parametrize(
+    "legacy, check",
+    [
+        ({"model": MODEL}, lambda c: c.model_source == MODEL),
+        ({"apply_chat_template": False}, lambda c: not c.chat_template_stage.enabled),
+        ({"tokenize": False}, lambda c: not c.tokenize_stage.enabled),
+        ({"detokenize": False}, lambda c: not c.detokenize_stage.enabled),
+        ({"has_image": True}, lambda c: c.prepare_multimodal_stage.enabled),
+        ({"chat_template": "{{ messages }}"}, lambda c: c.chat_template_stage.chat_template == "{{ messages }}"),
+    ],
+)
+def test_legacy_spellings_warn(legacy, check):
+    fields = {"model_source": MODEL, **legacy} if "model" not in legacy else legacy
+    with pytest.warns(DeprecationWarning):
+        c = vLLMEngineProcessorConfig(**fields)
+    assert check(c)
+
+
+def test_task_type_in_engine_kwargs_moves_up():
+    c = vLLMEngineProcessorConfig(model_source="all-minilm-l6-v2", engine_kwargs={"task_type": "embed"})
+    assert c.task_type == "embed" and "task_type" not in c.engine_kwargs
+
+
+def test_placement_group_config_checked():
+    with pytest.raises(ConfigError, match="bundles"):
+        vLLMEngineProcessorConfig(model_source=MODEL, placement_group_config={"strategy": "PACK"})
+    ok = vLLMEngineProcessorConfig(model_source=MODEL, placement_group_config={"bundles": [{"GPU": 1}]})
+    assert ok.placement_group_config["bundles"] == [{"GPU": 1}]
+
+
+def test_devices_per_replica():
+    c = vLLMEngineProcessorConfig(model_source=MODEL, engine_kwargs={"tensor_parallel_size": 2, "pipeline_parallel_size": 2})
+    assert c.devices_per_replica() == 4
+
+
+def test_http_config():
+    c = HttpRequestProcessorConfig(url="http://localhost:8000/v1/chat/completions", qps=5, max_retries=2)
+    assert c.base_retry_wait_time_in_s == 1.0
+    with pytest.raises(ConfigError):
+        HttpRequestProcessorConfig(url="http://x", qps=0)
+
+
+def test_no_warning_for_modern_config():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        vLLMEngineProcessorConfig(model_source=MODEL, chat_template_stage=True)
+
+
+def test_field_docs_exist_for_every_field():
+    for cls in (vLLMEngineProcessorConfig, ChatTemplateStageConfig, HttpRequestProcessorConfig):
+        docs = cls.field_docs()
+        assert docs and all(docs.values()), [k for k, v in docs.items() if not v]

@@ -1,0 +1,36 @@
+import importlib
+
+import llmbatch
+
+
+def test_all_is_sorted_and_complete():
+    assert llmbatch.__all__ == sorted(llmbatch.__all__)
+    public = {name for name in vars(llmbatch) if not name.startswith("_")}
+    modules = {name for name in public if type(getattr(llmbatch, name)).__name__ == "module"}
+    assert public - modules - {"annotations"} == set(llmbatch.__all__)
+
+
+def test_every_name_resolves():
+    for name in llmbatch.__all__:
+        assert getattr(llmbatch, name) is not None
+
+
+def test_ray_names_exist():
+    # the names Ray's ray.data.llm users import
+    for name in ("vLLMEngineProcessorConfig", "build_llm_processor", "build_processor", "Processor",
+                 "ChatTemplateStageConfig", "TokenizerStageConfig", "DetokenizeStageConfig",
+                 "PrepareMultimodalStageConfig", "HttpRequestProcessorConfig", "SGLangEngineProcessorConfig"):
+        assert name in llmbatch.__all__
+    assert llmbatch.build_llm_processor is llmbatch.build_processor
+
+
+def test_import_is_light():
+    # building configs must not pull in vllm or start ray
+    import subprocess
+    import sys
+
+    code = ("import sys, llmbatch; llmbatch.vLLMEngineProcessorConfig(model_source='smollm2-135m-instruct');"
+            "print('vllm' in sys.modules, 'ray' in sys.modules and __import__('ray').is_initialized())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["False", "False"]
+    importlib.import_module("llmbatch.cli")
