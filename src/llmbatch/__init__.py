@@ -14,7 +14,9 @@ from llmbatch.config import (
     TokenizerStageConfig,
     vLLMEngineProcessorConfig,
 )
-from llmbatch.errors import ConfigError, LLMBatchError, RowError
+from llmbatch.errors import ConfigError, JobError, LLMBatchError, RowError
+from llmbatch.jobs.run import JobResult, run_job
+from llmbatch.jobs.spec import JobSpec, load_job
 from llmbatch.processor import Processor, build_llm_processor, build_processor
 
 __version__ = "0.1.0"
@@ -24,6 +26,9 @@ __all__ = [
     "ConfigError",
     "DetokenizeStageConfig",
     "HttpRequestProcessorConfig",
+    "JobError",
+    "JobResult",
+    "JobSpec",
     "LLMBatchError",
     "PrepareMultimodalStageConfig",
     "Processor",
@@ -33,5 +38,7 @@ __all__ = [
     "TokenizerStageConfig",
     "build_llm_processor",
     "build_processor",
+    "load_job",
+    "run_job",
     "vLLMEngineProcessorConfig",
 ]

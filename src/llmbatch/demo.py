@@ -52,7 +52,7 @@ def run_demo(rows: int = 2000, out_dir: str = "demo-output", model: str = DEFAUL
             "choices": INDUSTRIES,
         },
         "sampling_params": {"temperature": 0, "max_tokens": 8},
-        "output": {"path": str(out / "industries.parquet"), "columns": ["Index", "Company", "generated_text"],
+        "output": {"path": str(out / "industries.parquet"), "columns": ["Index", "Company", "industry"],
                    "rename": {"generated_text": "industry"}},
         "job_dir": str(out / "job"),
     })

@@ -129,6 +129,9 @@ class Progress:
 
     def line(self, snap: dict[str, Any]) -> str:
         pct = 100.0 * snap["rows_done"] / max(1, snap["rows_total"])
+        if self.first_row_at is None:
+            return (f"[{self.label}] {snap['rows_done']:,}/{snap['rows_total']:,} rows ({pct:.1f}%) | starting: "
+                    f"engine replicas are loading the model ({fmt_duration(snap['elapsed_s'])})")
         return (f"[{self.label}] {snap['rows_done']:,}/{snap['rows_total']:,} rows ({pct:.1f}%) | "
                 f"{snap['rows_per_s']:.1f} rows/s | in {snap['input_tokens_per_s']:.0f} tok/s | "
                 f"out {snap['output_tokens_per_s']:.0f} tok/s | errors {snap['rows_error']:,} | "

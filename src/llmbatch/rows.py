@@ -58,6 +58,17 @@ REQUEST_COLUMNS = (
     "tokenization_kwargs",
 )
 
+#: vLLM ``SamplingParams`` fields (vLLM 0.26-0.32) plus older names still accepted by some
+#: versions; job files are checked against it when loaded (the engine checks each row again).
+SAMPLING_PARAM_NAMES = frozenset("""
+n presence_penalty frequency_penalty repetition_penalty temperature watermarking top_p top_k min_p seed
+stop stop_token_ids ignore_eos max_tokens min_tokens logprobs prompt_logprobs prompt_logprob_token_ids
+prompt_logprob_start logprob_token_ids flat_logprobs detokenize skip_special_tokens
+spaces_between_special_tokens include_stop_str_in_output stream_interval output_text_buffer_length
+structured_outputs logit_bias allowed_token_ids extra_args bad_words skip_reading_prefix_cache
+thinking_token_budget repetition_detection truncate_prompt_tokens guided_decoding
+""".split())
+
 #: Private bookkeeping keys carried between stages; never shown to users.
 PRIVATE_PREFIX = "__llmbatch_"
 ROW_ID = "__llmbatch_id"              # the job's row id (or None outside jobs)

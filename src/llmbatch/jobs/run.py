@@ -80,8 +80,8 @@ def build_job_processor(spec: JobSpec):
     if spec.prompt is not None:
         pre = TemplatePreprocess(spec.prompt, spec.sampling_params)
     else:
-        pre = _WithDefaultParams(load_function(spec.preprocess), spec.sampling_params)
-    post = load_function(spec.postprocess) if spec.postprocess else None
+        pre = _WithDefaultParams(load_function(spec.preprocess, spec.python_path), spec.sampling_params)
+    post = load_function(spec.postprocess, spec.python_path) if spec.postprocess else None
     return build_processor(config, preprocess=pre, postprocess=post, keep_private=(ROW_ID, STATS))
 
 
@@ -362,12 +362,15 @@ def run_job(job: JobSpec | str | os.PathLike, *, overrides: list[str] | None = N
         progress.start()
         try:
             if todo.any():
-                ensure_ray()
+                # worker output (engine start-up chatter) goes to Ray's log files, not the terminal
+                ensure_ray(log_to_driver=False)
                 import ray.data
 
                 ctx = ray.data.DataContext.get_current()
-                ctx.enable_progress_bars = False
+                ctx.enable_progress_bars = False  # llmbatch shows its own progress
                 ctx.issue_detectors_config.detectors = []
+                logging.getLogger("ray.data").setLevel(logging.WARNING)
+                logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)
                 for attempt in range(MAX_PASSES):
                     if attempt:
                         job_dir.log(f"pass {attempt + 1}: {int(todo.sum())} rows did not come back; running them again")

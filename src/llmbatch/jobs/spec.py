@@ -146,9 +146,38 @@ class JobSpec(_Config):
     sampling_params: dict[str, Any] = Field(default_factory=dict, description="vLLM sampling params for every row (temperature, max_tokens, ...).")
     output: OutputSpec
     job_dir: Optional[str] = Field(None, description="Job directory (default: next to the output, '<output>.job').")
+    python_path: list[str] = Field(default_factory=list, description="Folders to import preprocess/postprocess modules from (the job file's folder is added).")
     continue_on_error: bool = Field(True, description="Turn failing rows into error rows (errors.jsonl) and answer the rest. Off: the first bad row stops the job.")
     commit_rows: int = Field(1000, ge=1, description="Rows per committed output part (at most).")
     commit_seconds: float = Field(10.0, gt=0, description="Commit what has been answered at least this often.")
+
+    @field_validator("sampling_params")
+    @classmethod
+    def _known_sampling_params(cls, value: dict[str, Any]) -> dict[str, Any]:
+        import difflib
+
+        from llmbatch.rows import SAMPLING_PARAM_NAMES
+
+        for key in value:
+            if key not in SAMPLING_PARAM_NAMES:
+                close = difflib.get_close_matches(key, sorted(SAMPLING_PARAM_NAMES), n=1, cutoff=0.6)
+                hint = f"; did you mean '{close[0]}'?" if close else ""
+                raise ValueError(f"unknown sampling param '{key}'{hint}")
+        checks = {
+            "temperature": lambda v: v >= 0,
+            "max_tokens": lambda v: v >= 1,
+            "top_p": lambda v: 0 < v <= 1,
+            "n": lambda v: v >= 1,
+        }
+        for key, ok in checks.items():
+            if key in value and value[key] is not None:
+                try:
+                    good = ok(value[key])
+                except TypeError:
+                    good = False
+                if not good:
+                    raise ValueError(f"sampling_params.{key}={value[key]!r} is out of range")
+        return value
 
     @model_validator(mode="after")
     def _request_source(self) -> "JobSpec":
@@ -190,9 +219,14 @@ def template_fields(template: str) -> list[str]:
     return names
 
 
-def load_function(ref: str):
+def load_function(ref: str, python_path: list[str] | None = None):
     """Import ``module:function``; the module may be a file next to the job (it travels
     to the workers by value, so it need not be installed there)."""
+    import sys
+
+    for folder in python_path or []:
+        if folder not in sys.path:
+            sys.path.insert(0, folder)
     module_name, _, func_name = ref.partition(":")
     try:
         module = importlib.import_module(module_name)
@@ -244,6 +278,9 @@ def resolve_paths(data: dict[str, Any], base: Path) -> dict[str, Any]:
         data["output"]["path"] = _relative_to(base, data["output"].get("path"))
     if data.get("job_dir"):
         data["job_dir"] = _relative_to(base, data["job_dir"])
+    if data.get("preprocess") or data.get("postprocess"):
+        paths = [_relative_to(base, p) for p in data.get("python_path") or []]
+        data["python_path"] = list(dict.fromkeys(paths + [str(base)]))
     model = data.get("model")
     if isinstance(model, dict):
         src = model.get("source", model.get("model_source"))
@@ -302,13 +339,13 @@ PERF_ONLY_ENGINE_KWARGS = {
 }
 
 
-def _function_identity(ref: str | None) -> Any:
+def _function_identity(ref: str | None, python_path: list[str]) -> Any:
     if ref is None:
         return None
     import hashlib
     import inspect
 
-    fn = load_function(ref)
+    fn = load_function(ref, python_path)
     try:
         source = inspect.getsource(fn)
     except (OSError, TypeError):
@@ -334,8 +371,8 @@ def result_fields(spec: JobSpec) -> dict[str, Any]:
                   "id_column": spec.input.id_column},
         "model": {"source": spec.model.source, "processor": spec.model.processor, **model, "engine_kwargs": engine},
         "prompt": spec.prompt.model_dump() if spec.prompt else None,
-        "preprocess": _function_identity(spec.preprocess),
-        "postprocess": _function_identity(spec.postprocess),
+        "preprocess": _function_identity(spec.preprocess, spec.python_path),
+        "postprocess": _function_identity(spec.postprocess, spec.python_path),
         "sampling_params": spec.sampling_params,
     }
     flat: dict[str, Any] = {}

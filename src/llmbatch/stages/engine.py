@@ -57,6 +57,7 @@ class EngineStage(Stage):
         self.flush_rows = flush_rows
         self.flush_seconds = flush_seconds
         self.replica = ""
+        self.ready_at = 0.0
         self._semaphore: asyncio.Semaphore | None = None
         self._inflight: dict[Any, asyncio.Future] = {}
         self._results: collections.OrderedDict[Any, dict[str, Any]] = collections.OrderedDict()
@@ -72,6 +73,7 @@ class EngineStage(Stage):
         self._semaphore = asyncio.Semaphore(limit) if limit > 0 else None
         self._restart_lock = asyncio.Lock()
         self._ready = True
+        self.ready_at = time.time()
 
     async def close(self) -> None:
         await self.engine.close()
@@ -150,7 +152,7 @@ class EngineStage(Stage):
         row.update(result)
         row["batch_uuid"] = batch_uuid
         row[ERROR_COLUMN] = ""
-        row[STATS] = {"replica": self.replica, "cached_tokens": cached, "deduped": copied}
+        row[STATS] = {"replica": self.replica, "cached_tokens": cached, "deduped": copied, "ready_at": self.ready_at}
         for key in ("sampling_params", "pooling_params", "tokenized_prompt"):
             row.pop(key, None)
         return row

@@ -1,0 +1,122 @@
+"""Run one workload through one system in this process and print a JSON result line.
+
+Systems: ``vllm`` (plain ``vllm.LLM.chat`` with every prompt at once: the engine's own best),
+``llmbatch`` (the processor API on a Ray Dataset), ``llmbatch-job`` (the job CLI's Python API
+on a JSONL file) and ``ray`` (Ray's ``ray.data.llm``). All get the same requests and the same
+engine settings. Times: ``wall_s`` includes start-up; ``steady_s`` runs from the moment the
+engine was ready to the last row (the engine's start is the same cost for everyone).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from workloads import WORKLOADS  # noqa: E402
+
+GiB = 1 << 30
+
+
+def engine_kwargs(args) -> dict:
+    kw = {"max_model_len": args.max_model_len, "enable_prefix_caching": True}
+    if args.device == "cpu":
+        kw.update(enforce_eager=True, kv_cache_memory_bytes=args.kv_cache_gib * GiB)
+    else:
+        kw.update(gpu_memory_utilization=args.gpu_memory_utilization)
+    if args.load_format:
+        kw["load_format"] = args.load_format
+    return kw
+
+
+def run_vllm(rows, model_path, args) -> dict:
+    from vllm import LLM, SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    t0 = time.perf_counter()
+    llm = LLM(model_path, **engine_kwargs(args))
+    ready = time.perf_counter()
+    params = []
+    for r in rows:
+        sp = dict(r["sampling_params"])
+        so = sp.pop("structured_outputs", None)
+        params.append(SamplingParams(**sp, structured_outputs=StructuredOutputsParams(**so) if so else None))
+    outs = llm.chat([r["messages"] for r in rows], params, use_tqdm=False)
+    end = time.perf_counter()
+    out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    in_tokens = sum(len(o.prompt_token_ids) for o in outs)
+    llm.llm_engine.engine_core.shutdown()  # stop the engine's processes before this one exits
+    return {"rows": len(outs), "output_tokens": out_tokens, "input_tokens": in_tokens, "wall_s": end - t0,
+            "steady_s": end - ready, "first_result_s": end - t0, "texts": {r["id"]: o.outputs[0].text for r, o in zip(rows, outs)}}
+
+
+def run_llmbatch(rows, model_path, args) -> dict:
+    import ray
+
+    from llmbatch import build_processor, vLLMEngineProcessorConfig
+    from llmbatch.rows import STATS
+
+    wall0, t0 = time.time(), time.perf_counter()
+    ray.init(include_dashboard=False, logging_level="WARNING")
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    config = vLLMEngineProcessorConfig(model_source=model_path, engine_kwargs=engine_kwargs(args),
+                                       batch_size=args.batch_size, concurrency=args.concurrency,
+                                       dedup_requests=not args.no_dedup, sort_by_prefix=not args.no_sort)
+    processor = build_processor(config, keep_private=(STATS,))
+    ds = processor(ray.data.from_items(rows))
+    first = None
+    out_tokens = in_tokens = n = 0
+    ready = []
+    texts = {}
+    for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
+        if first is None:
+            first = time.perf_counter()
+        n += batch.num_rows
+        out_tokens += sum(batch.column("num_generated_tokens").to_pylist())
+        in_tokens += sum(batch.column("num_input_tokens").to_pylist())
+        ready.extend(s["ready_at"] for s in batch.column(STATS).to_pylist() if s)
+        texts.update(zip(batch.column("id").to_pylist(), batch.column("generated_text").to_pylist()))
+    end = time.perf_counter()
+    ray.shutdown()
+    ready_at = t0 + (min(ready) - wall0) if ready else t0
+    return {"rows": n, "output_tokens": out_tokens, "input_tokens": in_tokens, "wall_s": end - t0,
+            "steady_s": end - ready_at, "first_result_s": (first or end) - t0, "texts": texts}
+
+
+SYSTEMS = {"vllm": run_vllm, "llmbatch": run_llmbatch}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--system", choices=sorted(SYSTEMS), required=True)
+    p.add_argument("--workload", choices=sorted(WORKLOADS), default="unique")
+    p.add_argument("--rows", type=int, default=500)
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--device", choices=["cpu", "gpu"], default="cpu")
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--kv-cache-gib", type=int, default=2)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    p.add_argument("--load-format", default=None)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--concurrency", type=int, default=1)
+    p.add_argument("--no-dedup", action="store_true")
+    p.add_argument("--no-sort", action="store_true")
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    from llmbatch.models import resolve_model
+
+    model_path = resolve_model(args.model)
+    rows = WORKLOADS[args.workload](args.rows)
+    result = SYSTEMS[args.system](rows, model_path, args)
+    result.update(system=args.system, workload=args.workload)
+    Path(args.out).write_text(json.dumps(result))
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,178 @@
+"""``llmbatch plan``: what a job will cost, before it runs.
+
+Reads the input as a stream (memory stays flat however many rows there are: a few numbers
+per row), renders each row's prompt exactly as the job would (template, chat template),
+tokenizes it with the model's tokenizer, and reports rows, prompt tokens (min/median/max),
+rows that cannot fit ``max_model_len``, duplicate requests (answered once with dedup), the
+share of prompt tokens in prefixes shared with an earlier prompt (prefix-cache hits, in the
+engine's 16-token blocks), and an estimate of the run time from a given throughput or a
+short calibration run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import resource
+import time
+from typing import Any
+
+import numpy as np
+
+from llmbatch.errors import ConfigError
+from llmbatch.io.readers import READ_ERROR, read_rows
+from llmbatch.jobs.spec import JobSpec, load_function
+
+BLOCK = 16  # vLLM's default KV block size: the unit of prefix caching
+BATCH = 4096
+
+
+def _request_builder(spec: JobSpec):
+    from llmbatch.jobs.prompts import TemplatePreprocess
+    from llmbatch.jobs.run import _WithDefaultParams
+
+    if spec.prompt is not None:
+        return TemplatePreprocess(spec.prompt, spec.sampling_params)
+    return _WithDefaultParams(load_function(spec.preprocess, spec.python_path), spec.sampling_params)
+
+
+def _max_model_len(spec: JobSpec, model_path: str) -> int | None:
+    from llmbatch.models import model_max_len
+
+    fields = spec.model.processor_fields()
+    value = (fields.get("engine_kwargs") or {}).get("max_model_len")
+    return int(value) if value else model_max_len(model_path)
+
+
+def _digest(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "little")
+
+
+def plan_job(spec: JobSpec, *, throughput: float | None = None, calibrate_rows: int = 0) -> dict[str, Any]:
+    """The plan for ``spec`` (see module docstring)."""
+    from llmbatch.models import load_tokenizer, resolve_model
+    from llmbatch.stages.chat_template import normalize_messages
+
+    started = time.perf_counter()
+    model_path = resolve_model(spec.model.source)
+    tokenizer = load_tokenizer(spec.model.source)
+    max_len = _max_model_len(spec, model_path)
+    build = _request_builder(spec)
+    counts: list[np.ndarray] = []
+    request_hashes: list[np.ndarray] = []
+    block_hashes: list[np.ndarray] = []
+    max_tokens: list[np.ndarray] = []
+    rows = read_errors = bad_rows = 0
+    checked_fields = False
+    for batch in read_rows(spec.input.path, spec.input.format, spec.input.columns, spec.input.limit, BATCH):
+        if not checked_fields and spec.prompt is not None:
+            from llmbatch.jobs.run import _check_prompt_fields
+
+            _check_prompt_fields(spec, [k for k in batch[0] if k != READ_ERROR])
+            checked_fields = True
+        prompts: list[str] = []
+        specials: list[bool] = []
+        req_keys: list[int] = []
+        wants: list[int] = []
+        for row in batch:
+            rows += 1
+            if row.pop(READ_ERROR, ""):
+                read_errors += 1
+                continue
+            try:
+                req = build(row)
+                if req.get("messages") is not None:
+                    messages = normalize_messages(req["messages"])
+                    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+                    special = False
+                else:
+                    text, special = str(req["prompt"]), True
+            except Exception:  # noqa: BLE001 - a row the job would turn into an error row
+                bad_rows += 1
+                continue
+            sp = req.get("sampling_params") or {}
+            prompts.append(text)
+            specials.append(special)
+            req_keys.append(_digest(text + "\0" + json.dumps(sp, sort_keys=True, default=str)))
+            wants.append(int(sp.get("max_tokens") or 16))
+        if not prompts:
+            continue
+        ids_list = [None] * len(prompts)
+        for special in (False, True):
+            idx = [i for i, s in enumerate(specials) if s is special]
+            if idx:
+                enc = tokenizer([prompts[i] for i in idx], add_special_tokens=special)["input_ids"]
+                for i, ids in zip(idx, enc):
+                    ids_list[i] = ids
+        counts.append(np.fromiter((len(ids) for ids in ids_list), dtype=np.int32, count=len(ids_list)))
+        request_hashes.append(np.asarray(req_keys, dtype=np.uint64))
+        max_tokens.append(np.asarray(wants, dtype=np.int32))
+        blocks = []
+        for ids in ids_list:
+            h = 0
+            for start in range(0, len(ids) - BLOCK + 1, BLOCK):
+                h = hash((h, tuple(ids[start:start + BLOCK])))
+                blocks.append(h)
+        if blocks:
+            block_hashes.append(np.asarray(blocks, dtype=np.int64))
+    if rows == 0:
+        raise ConfigError(f"the input {spec.input.path} has no rows")
+    tokens = np.concatenate(counts) if counts else np.zeros(0, np.int32)
+    wants_all = np.concatenate(max_tokens) if max_tokens else np.zeros(0, np.int32)
+    hashes = np.concatenate(request_hashes) if request_hashes else np.zeros(0, np.uint64)
+    unique_requests = int(np.unique(hashes).size)
+    all_blocks = np.concatenate(block_hashes) if block_hashes else np.zeros(0, np.int64)
+    shared_tokens = (all_blocks.size - np.unique(all_blocks).size) * BLOCK
+    total_tokens = int(tokens.sum())
+    answered = int(tokens.size)
+    over = int((tokens >= max_len).sum()) if max_len else 0
+    no_room = int(((tokens + wants_all) > max_len).sum()) if max_len else 0
+    plan: dict[str, Any] = {
+        "input": spec.input.path,
+        "model": spec.model.source,
+        "rows": rows,
+        "rows_unreadable": read_errors,
+        "rows_failing_preprocess": bad_rows,
+        "prompt_tokens": {
+            "min": int(tokens.min()) if answered else 0,
+            "median": float(np.median(tokens)) if answered else 0.0,
+            "max": int(tokens.max()) if answered else 0,
+            "total": total_tokens,
+        },
+        "max_model_len": max_len,
+        "rows_over_max_model_len": over,
+        "rows_where_max_tokens_does_not_fit": no_room,
+        "duplicate_requests": answered - unique_requests,
+        "unique_requests": unique_requests,
+        "shared_prefix_token_share": round(shared_tokens / total_tokens, 4) if total_tokens else 0.0,
+        "max_output_tokens": int(wants_all.sum()),
+    }
+    estimate = _estimate(spec, unique_requests, throughput, calibrate_rows)
+    if estimate:
+        plan["estimate"] = estimate
+    plan["plan_seconds"] = round(time.perf_counter() - started, 1)
+    plan["peak_memory_mib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+    return plan
+
+
+def _estimate(spec: JobSpec, unique_requests: int, throughput: float | None, calibrate_rows: int) -> dict[str, Any] | None:
+    if throughput:
+        return {"method": "given throughput", "rows_per_s": throughput,
+                "seconds": round(unique_requests / throughput, 1)}
+    if calibrate_rows <= 0:
+        return {"method": "none", "hint": "pass --throughput ROWS_PER_S or --calibrate N for a run-time estimate"}
+    import tempfile
+
+    from llmbatch.jobs.run import run_job
+    from llmbatch.jobs.spec import load_job
+
+    with tempfile.TemporaryDirectory(prefix="llmbatch-calibrate-") as tmp:
+        data = json.loads(spec.model_dump_json())
+        data["input"]["limit"] = calibrate_rows
+        data["output"] = {"path": f"{tmp}/out.parquet"}
+        data["job_dir"] = f"{tmp}/job"
+        result = run_job(load_job(data=data), quiet=True)
+        rate = result.stats.get("steady_rows_per_s") or result.stats.get("rows_per_s") or 0.0
+    return {"method": f"calibration run of {calibrate_rows} rows", "rows_per_s": round(rate, 3),
+            "seconds": round(unique_requests / rate, 1) if rate else None,
+            "note": "engine start-up is not included; calibration rows may dedup differently from the whole input"}

@@ -1,0 +1,173 @@
+"""Jobs end to end: the real CLI in real processes, killed for real, on the real engine.
+
+Drivers run as subprocesses (`python -m llmbatch ...`) that join the session's Ray cluster
+through RAY_ADDRESS; killing a driver is what a crash of the machine running it looks like.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pyarrow.parquet as pq
+import pytest
+
+from llmbatch.jobs.store import JobDir
+
+pytestmark = pytest.mark.e2e
+
+
+def write_job(tmp_path: Path, rows: int, *, commit_rows: int = 16, limit: int | None = None) -> tuple[Path, Path]:
+    from llmbatch.sample_data import write_customers_csv
+
+    write_customers_csv(tmp_path / "customers.csv", rows, seed=11)
+    job = tmp_path / "job.yaml"
+    job.write_text(textwrap.dedent(f"""
+        input: {{path: customers.csv, id_column: Index{', limit: ' + str(limit) if limit else ''}}}
+        model:
+          source: smollm2-135m-instruct
+          engine_kwargs: {{max_model_len: 512}}
+          batch_size: 8
+        prompt:
+          user: "Customer #{{Index}}: write a short welcome note for {{First Name}} {{Last Name}} of {{Company}}."
+        sampling_params: {{temperature: 0, max_tokens: 24, ignore_eos: true}}
+        output: {{path: out/notes.parquet, columns: [Index, Company, generated_text, num_generated_tokens]}}
+        commit_rows: {commit_rows}
+        commit_seconds: 60
+    """))
+    return job, tmp_path / "out" / "notes.parquet.job"
+
+
+def cli(*args: str, log: Path) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    fh = open(log, "ab")
+    return subprocess.Popen([sys.executable, "-m", "llmbatch", *args], stdout=fh, stderr=subprocess.STDOUT,
+                            env=env, start_new_session=True)
+
+
+def committed(job_dir: Path) -> int:
+    job = JobDir(job_dir)
+    if not job.exists() or not job.meta().get("staged"):
+        return 0
+    return job.state().counts()["done"]
+
+
+def wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen | None = None, step: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"the driver exited ({proc.returncode}) before: {what}")
+        time.sleep(step)
+    raise AssertionError(f"timed out waiting for: {what}")
+
+
+def kill9(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+
+
+def status(job_dir: Path) -> dict:
+    out = subprocess.run([sys.executable, "-m", "llmbatch", "status", str(job_dir), "--json"],
+                         capture_output=True, text=True, check=True, env=os.environ)
+    return json.loads(out.stdout)
+
+
+def output_ids(job_dir: Path) -> tuple[list, list]:
+    stats = json.loads((job_dir / "stats.json").read_text())
+    ok = pq.read_table(stats["output"]).column("Index").to_pylist()
+    errors = [json.loads(line)["id"] for line in (job_dir / "errors.jsonl").read_text().splitlines()]
+    return ok, errors
+
+
+def test_sigkill_at_three_points_and_sigint_then_resume_exactly_once(ray_cluster, smollm2, tmp_path):
+    rows, part = 160, 16
+    job_file, job_dir = write_job(tmp_path, rows, commit_rows=part)
+    log = tmp_path / "driver.log"
+
+    # 1. SIGKILL before the first commit: the input is staged, the engine is still starting
+    p = cli("run", str(job_file), "--quiet", log=log)
+    wait_for(lambda: JobDir(job_dir).exists() and JobDir(job_dir).meta().get("staged"), 120, "staged", p)
+    time.sleep(2)
+    assert committed(job_dir) == 0
+    kill9(p)
+    assert committed(job_dir) == 0
+    assert status(job_dir)["state"].startswith("interrupted")
+
+    # 2. SIGKILL mid-way; `status` from another process sees the driver's counts while it runs
+    p = cli("resume", str(job_dir), "--quiet", log=log)
+    wait_for(lambda: committed(job_dir) >= 3 * part, 400, "a third of the rows", p)
+    live = status(job_dir)
+    assert live["state"] == "running" and live["rows_total"] == rows
+    assert 3 * part <= live["rows_done"] <= rows and live["rows_done"] == live["rows_ok"] + live["rows_error"]
+    kill9(p)
+    mid = committed(job_dir)
+    assert 3 * part <= mid < rows
+
+    # 3. Ctrl-C stops cleanly within seconds and keeps what was answered
+    p = cli("resume", str(job_dir), "--quiet", log=log)
+    wait_for(lambda: committed(job_dir) >= mid + part, 400, "progress after resume", p)
+    p.send_signal(signal.SIGINT)
+    t0 = time.monotonic()
+    assert p.wait(timeout=60) == 130
+    assert time.monotonic() - t0 < 30
+    after_int = committed(job_dir)
+    assert mid < after_int
+    assert status(job_dir)["state"].startswith("stopped")
+
+    # 4. SIGKILL while the last part is being made
+    p = cli("resume", str(job_dir), "--quiet", log=log)
+    wait_for(lambda: committed(job_dir) >= rows - part, 400, "all but the last part", p, step=0.02)
+    assert p.poll() is None, "the job finished before it could be killed in its last part"
+    kill9(p)
+    assert rows - part <= committed(job_dir) < rows
+
+    # 5. resume to the end: every input id exactly once across output and errors
+    p = cli("resume", str(job_dir), "--quiet", log=log)
+    assert p.wait(timeout=600) == 0, log.read_text()[-3000:]
+    ok, errors = output_ids(job_dir)
+    assert sorted(ok + errors) == list(range(1, rows + 1)), "lost or duplicated rows"
+    assert errors == []
+    done = status(job_dir)
+    assert done["state"] == "finished" and done["rows_done"] == rows and done["rows_todo"] == 0
+    runs = JobDir(job_dir).meta()["runs"]
+    assert [r["state"] for r in runs][-2:] == ["stopped", "finished"]
+
+
+def _engine_actor_pids() -> list[int]:
+    """Ray actor processes that host a vLLM engine (parents of VLLM::EngineCore)."""
+    pids = set()
+    for proc in psutil.process_iter(["name", "cmdline"]):
+        try:
+            if "VLLM::EngineCore" in " ".join(proc.info["cmdline"] or []) or proc.info["name"] == "VLLM::EngineCore":
+                parent = proc.parent()
+                if parent is not None and "StageRunner" in " ".join(parent.cmdline()):
+                    pids.add(parent.pid)
+        except psutil.Error:
+            continue
+    return sorted(pids)
+
+
+def test_engine_replica_killed_mid_run_loses_no_row(ray_cluster, smollm2, tmp_path):
+    rows, part = 96, 8
+    job_file, job_dir = write_job(tmp_path, rows, commit_rows=part)
+    log = tmp_path / "driver.log"
+    p = cli("run", str(job_file), "--quiet", log=log)
+    wait_for(lambda: committed(job_dir) >= 2 * part, 400, "first parts", p)
+    actors = _engine_actor_pids()
+    assert len(actors) == 1, actors
+    os.kill(actors[0], signal.SIGKILL)
+    assert p.wait(timeout=900) == 0, log.read_text()[-3000:]
+    ok, errors = output_ids(job_dir)
+    assert sorted(ok + errors) == list(range(1, rows + 1))
+    assert errors == []
+    stats = json.loads((job_dir / "stats.json").read_text())
+    assert len(stats["rows_by_replica"]) >= 2, "rows should come from the replica before and after the kill"

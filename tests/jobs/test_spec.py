@@ -1,0 +1,117 @@
+"""Job files: loading, overrides, validation before any work starts."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from llmbatch.errors import ConfigError, JobError
+from llmbatch.jobs.run import open_job, run_job
+from llmbatch.jobs.spec import load_job, result_fields, template_fields
+
+
+def write_job(tmp_path, body: str):
+    path = tmp_path / "job.yaml"
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+BASE = """
+input: {path: data.csv, id_column: Index}
+model: {source: smollm2-135m-instruct, engine_kwargs: {max_model_len: 512}, concurrency: 1}
+prompt:
+  system: You classify companies.
+  user: "Which industry is {Company} in?"
+  choices: [Retail, Finance, Other]
+sampling_params: {temperature: 0, max_tokens: 8}
+output: {path: out/result.parquet}
+"""
+
+
+@pytest.fixture
+def job_file(tmp_path):
+    (tmp_path / "data.csv").write_text("Index,Company,City\n1,Acme,Paris\n2,Globex,Rome\n3,Initech,Oslo\n")
+    return write_job(tmp_path, BASE)
+
+
+def test_load_resolves_paths_relative_to_the_job_file(job_file, tmp_path):
+    spec = load_job(job_file)
+    assert spec.input.path == str(tmp_path / "data.csv")
+    assert spec.output.path == str(tmp_path / "out" / "result.parquet")
+    assert spec.resolved_job_dir() == str(tmp_path / "out" / "result.parquet.job")
+    assert spec.processor_config().engine_kwargs == {"max_model_len": 512}
+
+
+def test_set_overrides_any_field(job_file):
+    spec = load_job(job_file, overrides=["model.concurrency=2", "sampling_params.max_tokens=4",
+                                         "prompt.choices=[A, B]", "input.limit=2"])
+    assert spec.processor_config().concurrency == 2
+    assert spec.sampling_params["max_tokens"] == 4
+    assert spec.prompt.choices == ["A", "B"]
+    assert spec.input.limit == 2
+
+
+def test_typos_fail_with_the_field_named(job_file):
+    with pytest.raises(ConfigError, match="'batch_sise'.*'batch_size'"):
+        # a typo inside the model section (a processor config field)
+        load_job(job_file, overrides=["model.batch_sise=8"])
+    with pytest.raises(ConfigError, match="unknown sampling param 'max_token'; did you mean 'max_tokens'"):
+        load_job(job_file, overrides=["sampling_params.max_token=8"])
+    with pytest.raises(ConfigError, match="temperature=-1"):
+        load_job(job_file, overrides=["sampling_params.temperature=-1"])
+    with pytest.raises(ConfigError, match="'outptu'"):
+        load_job(job_file, overrides=["outptu.path=x"])
+    with pytest.raises(ConfigError, match="concurrency"):
+        load_job(job_file, overrides=["model.concurrency=0"])
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_job(job_file, overrides=["model.source=./nowhere"])
+
+
+def test_template_fields():
+    assert template_fields("Hi {First Name} at {Company}! {{literal}}") == ["First Name", "Company"]
+    with pytest.raises(ValueError):
+        template_fields("positional {}")
+
+
+def test_missing_template_fields_fail_before_inference(job_file):
+    spec = load_job(job_file, overrides=["prompt.user=Where is {Company} in {Region}? ({Cityy})"])
+    with pytest.raises(ConfigError) as err:
+        run_job(spec, quiet=True)
+    text = str(err.value)
+    assert "{Region}" in text and "{Cityy}" in text and "Index, Company, City" in text
+
+
+def test_duplicate_ids_fail_before_inference(tmp_path):
+    (tmp_path / "data.csv").write_text("Index,Company\n1,A\n2,B\n1,C\n3,D\n3,E\n")
+    spec = load_job(write_job(tmp_path, BASE))
+    with pytest.raises(JobError) as err:
+        run_job(spec, quiet=True)
+    assert "duplicate" in str(err.value) and "'1' (2 rows)" in str(err.value) and "'3' (2 rows)" in str(err.value)
+
+
+def test_changed_config_or_input_is_refused(job_file, tmp_path):
+    from llmbatch.jobs.run import _stage
+
+    spec = load_job(job_file)
+    job, meta = open_job(spec)
+    _stage(job, spec, meta)
+    # perf-only changes resume fine
+    open_job(load_job(job_file, overrides=["model.concurrency=3", "model.batch_size=7"]))
+    with pytest.raises(JobError) as err:
+        open_job(load_job(job_file, overrides=["sampling_params.temperature=0.7"]))
+    assert "sampling_params.temperature: 0 -> 0.7" in str(err.value) and "--force" in str(err.value)
+    with pytest.raises(JobError, match="engine_kwargs.max_model_len"):
+        open_job(load_job(job_file, overrides=["model.engine_kwargs.max_model_len=1024"]))
+    (tmp_path / "data.csv").write_text("Index,Company,City\n1,Acme,Paris\n2,Globex,Rome\n3,Initech,Bergen\n")
+    with pytest.raises(JobError, match="changed since the job started"):
+        open_job(spec)
+    # --force starts over
+    job2, meta2 = open_job(spec, force=True)
+    assert not meta2["staged"]
+
+
+def test_result_fields_ignore_performance_settings(job_file):
+    a = result_fields(load_job(job_file))
+    b = result_fields(load_job(job_file, overrides=["model.batch_size=128", "model.engine_kwargs.max_num_seqs=8"]))
+    assert a == b

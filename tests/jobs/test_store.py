@@ -1,0 +1,68 @@
+"""The job directory's commit protocol and final output, without an engine."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from llmbatch.io.readers import read_rows
+from llmbatch.jobs.store import JobDir
+from llmbatch.rows import ERROR_COLUMN, ROW_ID
+
+
+def test_staging_gives_stable_ids_and_keeps_bad_records(tmp_path):
+    data = tmp_path / "in.jsonl"
+    data.write_bytes(b'{"q": "a"}\nnot json\n{"q": "\xff"}\n{"q": "d"}\n')
+    job = JobDir(tmp_path / "job")
+    info = job.stage(str(data), None, None, None, None)
+    assert info["rows"] == 4
+    import pickle
+
+    rows = [pickle.loads(v) for f in job.staged_files()
+            for v in pq.read_table(f).column("__llmbatch_state").to_pylist()]
+    assert [r[ROW_ID] for r in rows] == [0, 1, 2, 3]
+    assert rows[1][ERROR_COLUMN].startswith("read: JSONDecodeError: line 2")
+    assert rows[2][ERROR_COLUMN].startswith("read: UnicodeDecodeError: line 3")
+    again = JobDir(tmp_path / "job2")
+    again.stage(str(data), None, None, None, None)
+    rows2 = [pickle.loads(v) for f in again.staged_files() for v in pq.read_table(f).column("__llmbatch_state").to_pylist()]
+    assert rows == rows2
+
+
+def test_commits_are_atomic_and_newest_part_wins(tmp_path):
+    job = JobDir(tmp_path / "job")
+    job.write_meta({"rows": 4})
+    job.commit(pa.table({ROW_ID: [0, 1, 2], ERROR_COLUMN: ["", "engine: X: y", ""]}))
+    job.commit(pa.table({ROW_ID: [1, 3], ERROR_COLUMN: ["", ""]}))
+    (job.parts_dir / ".part-000002.parquet.tmp").write_bytes(b"half a file")
+    state = job.state()
+    assert state.counts() == {"rows": 4, "done": 4, "ok": 4, "errors": 0, "todo": 0}
+    assert state.latest.tolist() == [0, 1, 0, 1]
+    job.clean_temporaries()
+    assert not list(job.parts_dir.glob(".*.tmp"))
+
+
+def test_csv_reader_never_stops_on_a_bad_record(tmp_path):
+    path = tmp_path / "x.csv"
+    path.write_bytes(b"a,b\n1,ok\n2,h\xe9\n3\n4,\"multi\nline\"\n")
+    rows = [r for batch in read_rows(str(path)) for r in batch]
+    assert [r["a"] for r in rows] == ["1", "2", "3", "4"]
+    errors = [r["__llmbatch_read_error"] for r in rows]
+    assert errors[0] == "" and errors[3] == "" and rows[3]["b"] == "multi\nline"
+    assert errors[1].startswith("read: UnicodeDecodeError") and errors[2].startswith("read: CSVRecordError")
+
+
+def test_lock_refuses_a_second_driver(tmp_path):
+    from llmbatch.errors import JobError
+
+    job = JobDir(tmp_path / "job")
+    with job.locked():
+        assert job.is_running()
+        with pytest.raises(JobError, match="running in another process"):
+            with JobDir(tmp_path / "job").locked():
+                pass
+    assert not job.is_running()
+    _ = json
