@@ -59,36 +59,107 @@ def run_llmbatch(rows, model_path, args) -> dict:
     import ray
 
     from llmbatch import build_processor, vLLMEngineProcessorConfig
-    from llmbatch.rows import STATS
 
-    wall0, t0 = time.time(), time.perf_counter()
+    t0 = time.perf_counter()
     ray.init(include_dashboard=False, logging_level="WARNING")
     ray.data.DataContext.get_current().enable_progress_bars = False
     config = vLLMEngineProcessorConfig(model_source=model_path, engine_kwargs=engine_kwargs(args),
                                        batch_size=args.batch_size, concurrency=args.concurrency,
                                        dedup_requests=not args.no_dedup, sort_by_prefix=not args.no_sort)
-    processor = build_processor(config, keep_private=(STATS,))
-    ds = processor(ray.data.from_items(rows))
+    result = _collect(build_processor(config)(ray.data.from_items(rows)), t0)
+    ray.shutdown()
+    return result
+
+
+def _collect(ds, t0: float) -> dict:
+    """Drain a Ray Dataset of answered rows; steady time starts at the earliest request start
+    (arrival minus time in the engine), the same estimate for every Ray-based system."""
     first = None
     out_tokens = in_tokens = n = 0
-    ready = []
+    starts = []
     texts = {}
     for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
-        if first is None:
-            first = time.perf_counter()
+        now = time.perf_counter()
+        first = first or now
         n += batch.num_rows
-        out_tokens += sum(batch.column("num_generated_tokens").to_pylist())
+        gen = batch.column("num_generated_tokens").to_pylist()
+        out_tokens += sum(gen)
         in_tokens += sum(batch.column("num_input_tokens").to_pylist())
-        ready.extend(s["ready_at"] for s in batch.column(STATS).to_pylist() if s)
+        starts.extend(now - t for t in batch.column("time_taken_llm").to_pylist())
         texts.update(zip(batch.column("id").to_pylist(), batch.column("generated_text").to_pylist()))
     end = time.perf_counter()
-    ray.shutdown()
-    ready_at = t0 + (min(ready) - wall0) if ready else t0
     return {"rows": n, "output_tokens": out_tokens, "input_tokens": in_tokens, "wall_s": end - t0,
-            "steady_s": end - ready_at, "first_result_s": (first or end) - t0, "texts": texts}
+            "steady_s": end - min(starts) if starts else end - t0, "first_result_s": (first or end) - t0,
+            "texts": texts}
 
 
-SYSTEMS = {"vllm": run_vllm, "llmbatch": run_llmbatch}
+def run_ray(rows, model_path, args) -> dict:
+    """Ray's own ray.data.llm, with the four changes it needs on a CPU machine
+    (../shared/notes/ray-data-llm-on-cpu.md): a logical GPU, small CPU shares for its stages,
+    no engine metrics, and vLLM's CPU settings."""
+    import ray
+    from ray.data.llm import build_processor, vLLMEngineProcessorConfig
+
+    t0 = time.perf_counter()
+    if args.device == "cpu":
+        ray.init(num_gpus=1, num_cpus=8, include_dashboard=False, logging_level="WARNING")
+        stage = dict(num_cpus=0.2)
+    else:
+        ray.init(include_dashboard=False, logging_level="WARNING")
+        stage = {}
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    config = vLLMEngineProcessorConfig(
+        model_source=model_path, engine_kwargs=engine_kwargs(args), batch_size=args.batch_size,
+        concurrency=args.concurrency, chat_template_stage=dict(stage), tokenize_stage=dict(stage),
+        detokenize_stage=dict(stage), log_engine_metrics=False)
+    processor = build_processor(
+        config,
+        preprocess=lambda r: dict(messages=r["messages"], sampling_params=r["sampling_params"]),
+        postprocess=lambda r: dict(id=r["id"], generated_text=r["generated_text"],
+                                   num_generated_tokens=r["num_generated_tokens"],
+                                   num_input_tokens=r["num_input_tokens"], time_taken_llm=r["time_taken_llm"]))
+    result = _collect(processor(ray.data.from_items(rows)), t0)
+    ray.shutdown()
+    return result
+
+
+def run_llmbatch_job(rows, model_path, args) -> dict:
+    """The job CLI's Python API on a JSONL file of the same requests (messages_column)."""
+    import tempfile
+
+    from llmbatch import load_job, run_job
+
+    tmp = Path(tempfile.mkdtemp(prefix="llmbatch-bench-job-"))
+    with open(tmp / "in.jsonl", "w") as fh:
+        for r in rows:
+            fh.write(json.dumps({"id": r["id"], "messages": r["messages"], "sp": r["sampling_params"]}) + "\n")
+    hooks = tmp / "bench_hooks.py"
+    hooks.write_text("def request(row):\n    return {'messages': row['messages'], 'sampling_params': row['sp']}\n")
+    spec = load_job(data={
+        "input": {"path": str(tmp / "in.jsonl"), "id_column": "id"},
+        "model": {"source": model_path, "engine_kwargs": engine_kwargs(args), "batch_size": args.batch_size,
+                  "concurrency": args.concurrency, "dedup_requests": not args.no_dedup,
+                  "sort_by_prefix": not args.no_sort},
+        "preprocess": "bench_hooks:request", "python_path": [str(tmp)],
+        "output": {"path": str(tmp / "out.parquet"), "columns": ["id", "generated_text", "num_generated_tokens"]},
+    })
+    t0 = time.perf_counter()
+    result = run_job(spec, quiet=True)
+    end = time.perf_counter()
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(result.output_path)
+    stats = result.stats
+    first = stats["runs"][-1]
+    steady = stats["rows_this_run"] / stats["steady_rows_per_s"] if stats.get("steady_rows_per_s") else end - t0
+    return {"rows": table.num_rows, "output_tokens": stats["output_tokens"], "input_tokens": stats["input_tokens"],
+            "wall_s": end - t0, "steady_s": steady, "first_result_s": end - t0 - steady,
+            "texts": dict(zip(table.column("id").to_pylist(), table.column("generated_text").to_pylist())),
+            "dedup_ratio": stats["dedup_ratio"], "prefix_cache_hit_rate": stats["prefix_cache_hit_rate"],
+            "_run": first}
+
+
+SYSTEMS = {"vllm": run_vllm, "llmbatch": run_llmbatch, "ray": run_ray, "llmbatch-job": run_llmbatch_job}
 
 
 def main() -> None:

@@ -254,6 +254,12 @@ class vLLMEngineProcessorConfig(OfflineProcessorConfig):
     placement_group_config: Optional[dict[str, Any]] = Field(None, description="Ray placement group for each replica's workers: {'bundles': [...], 'strategy': 'PACK'} or {'bundle_per_worker': {...}}.")
     dedup_requests: bool = Field(True, description="llmbatch: send identical requests (same prompt, same deterministic sampling params) to the engine once and copy the answer to every such row.")
     sort_by_prefix: bool = Field(True, description="llmbatch: order each batch by prompt so that rows sharing a prompt prefix run together (prefix-cache hits).")
+    structured_output_errors: Optional[Literal["error", "warn", "off"]] = Field(None, description="llmbatch: check answers against their structured_outputs spec (JSON schema, regex, choice; and generation cut by max_tokens). 'error': such a row is an error row (check_output: StructuredOutputError); 'warn': keep the text and say why in the column structured_output_error; 'off': no check. Default: 'error' with should_continue_on_error (jobs), else 'warn' (a run is never stopped by it).")
+
+    def resolved_structured_output_errors(self) -> str:
+        if self.structured_output_errors is not None:
+            return self.structured_output_errors
+        return "error" if self.should_continue_on_error else "warn"
 
     @model_validator(mode="before")
     @classmethod

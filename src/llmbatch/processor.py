@@ -19,13 +19,12 @@ from typing import Any
 
 from llmbatch.config import (
     HttpRequestProcessorConfig,
-    OfflineProcessorConfig,
     ProcessorConfig,
     SGLangEngineProcessorConfig,
     StageConfig,
     vLLMEngineProcessorConfig,
 )
-from llmbatch.errors import ConfigError, ResourceError
+from llmbatch.errors import ConfigError
 from llmbatch.stages.base import Stage
 from llmbatch.stages.runner import StageRunner
 
@@ -184,6 +183,7 @@ class Processor:
         _check_input_columns(dataset)
         ds = ray.data.Dataset.copy(dataset, _deep_copy=True)
         ds.context.target_max_block_size = STREAM_BLOCK_BYTES
+        ds.context.raise_original_map_exception = True  # a RowError reaches the caller as itself
         # Start every replica before rows flow: all of them share the work from the first
         # batch on, and an engine that cannot start fails the run at once with its reason.
         ds.context.wait_for_min_actors_s = max(ds.context.wait_for_min_actors_s, ENGINE_START_TIMEOUT_S)
@@ -229,17 +229,16 @@ def engine_cpu_share(cluster_cpus: float, replicas: int, cpu_reserved: float) ->
 
 
 def _check_input_columns(dataset) -> None:
-    from llmbatch.rows import PRIVATE_PREFIX
+    from llmbatch.rows import PRIVATE_PREFIX, ROW_ID
     from llmbatch.stages.runner import STATE_COLUMN
 
     try:
         names = dataset.columns(fetch_if_missing=False) or []
     except Exception:  # noqa: BLE001 - schema unknown until it runs; checked per row then
         return
-    bad = [n for n in names if n == STATE_COLUMN]
+    bad = [n for n in names if n.startswith(PRIVATE_PREFIX) and n not in (ROW_ID, STATE_COLUMN)]
     if bad:
-        raise ConfigError(f"input column {bad[0]!r} is reserved by llmbatch; rename it")
-    _ = PRIVATE_PREFIX
+        raise ConfigError(f"input column {bad[0]!r} uses a name reserved by llmbatch ({PRIVATE_PREFIX}...); rename it")
 
 
 # ---------------------------------------------------------------------------- builders
@@ -318,7 +317,7 @@ def build_vllm_processor(config: vLLMEngineProcessorConfig, *, preprocess: UserF
     tk = config.tokenize_stage
     if tk.enabled:
         pre.append(StageSpec(TokenizeStage(tk.model_source or config.model_source, _engine_max_model_len(config),
-                                           trust, keep_going), tk))
+                                           trust, keep_going, generate=generate), tk))
     lo, hi = config.concurrency_range()
     engine = EngineStage(
         VLLMEngine(config.model_source, config.engine_kwargs, config.task_type, config.dynamic_lora_loading_path,
@@ -327,6 +326,7 @@ def build_vllm_processor(config: vLLMEngineProcessorConfig, *, preprocess: UserF
         dedup=config.dedup_requests,
         sort_by_prefix=config.sort_by_prefix,
         flush_rows=max(1, min(64, config.batch_size // 4)),
+        structured_output_errors=config.resolved_structured_output_errors(),
         continue_on_error=keep_going,
     )
     post: list[StageSpec] = []
@@ -379,11 +379,9 @@ def _placement_group_fn(config: vLLMEngineProcessorConfig) -> Callable[[], dict[
 def build_sglang_processor(config: SGLangEngineProcessorConfig, **_: Any) -> Processor:
     from llmbatch.errors import MissingDependencyError
 
-    try:
-        import sglang  # noqa: F401
-    except ImportError as exc:
-        raise MissingDependencyError("SGLangEngineProcessorConfig", "sglang") from exc
+    import importlib.util
+
+    if importlib.util.find_spec("sglang") is None:
+        raise MissingDependencyError("SGLangEngineProcessorConfig", "sglang")
     raise ConfigError("the SGLang engine is not supported by this llmbatch version yet; use vLLMEngineProcessorConfig")
 
-
-_ = OfflineProcessorConfig

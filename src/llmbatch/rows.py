@@ -72,7 +72,6 @@ thinking_token_budget repetition_detection truncate_prompt_tokens guided_decodin
 #: Private bookkeeping keys carried between stages; never shown to users.
 PRIVATE_PREFIX = "__llmbatch_"
 ROW_ID = "__llmbatch_id"              # the job's row id (or None outside jobs)
-ORIGINAL_COLUMNS = "__llmbatch_cols"  # the input columns, to rebuild the default output row
 ADD_SPECIAL_TOKENS = "__llmbatch_add_special_tokens"
 STATS = "__llmbatch_stats"            # per-row engine facts the job layer aggregates
 

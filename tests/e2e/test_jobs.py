@@ -24,23 +24,33 @@ from llmbatch.jobs.store import JobDir
 pytestmark = pytest.mark.e2e
 
 
-def write_job(tmp_path: Path, rows: int, *, commit_rows: int = 16, limit: int | None = None) -> tuple[Path, Path]:
+HOOKS = """
+def request(row):
+    # the last rows of the input write much longer answers: they finish last, and the final
+    # part of the job is still being made while every other row is committed
+    long = int(row["Index"]) > LONG_AFTER
+    return {"messages": [{"role": "user", "content": f"Customer #{row['Index']}: write a welcome note for "
+                                                     f"{row['First Name']} {row['Last Name']} of {row['Company']}."}],
+            "sampling_params": {"temperature": 0, "ignore_eos": True, "max_tokens": 160 if long else 16}}
+"""
+
+
+def write_job(tmp_path: Path, rows: int, *, long_tail: int = 20) -> tuple[Path, Path]:
     from llmbatch.sample_data import write_customers_csv
 
     write_customers_csv(tmp_path / "customers.csv", rows, seed=11)
+    (tmp_path / "hooks.py").write_text(f"LONG_AFTER = {rows - long_tail}\n" + HOOKS)
     job = tmp_path / "job.yaml"
-    job.write_text(textwrap.dedent(f"""
-        input: {{path: customers.csv, id_column: Index{', limit: ' + str(limit) if limit else ''}}}
+    job.write_text(textwrap.dedent("""
+        input: {path: customers.csv, id_column: Index}
         model:
           source: smollm2-135m-instruct
-          engine_kwargs: {{max_model_len: 512}}
+          engine_kwargs: {max_model_len: 512}
           batch_size: 8
-        prompt:
-          user: "Customer #{{Index}}: write a short welcome note for {{First Name}} {{Last Name}} of {{Company}}."
-        sampling_params: {{temperature: 0, max_tokens: 24, ignore_eos: true}}
-        output: {{path: out/notes.parquet, columns: [Index, Company, generated_text, num_generated_tokens]}}
-        commit_rows: {commit_rows}
-        commit_seconds: 60
+        preprocess: hooks:request
+        output: {path: out/notes.parquet, columns: [Index, Company, generated_text, num_generated_tokens]}
+        commit_rows: 1000
+        commit_seconds: 1
     """))
     return job, tmp_path / "out" / "notes.parquet.job"
 
@@ -83,14 +93,14 @@ def status(job_dir: Path) -> dict:
 
 def output_ids(job_dir: Path) -> tuple[list, list]:
     stats = json.loads((job_dir / "stats.json").read_text())
-    ok = pq.read_table(stats["output"]).column("Index").to_pylist()
-    errors = [json.loads(line)["id"] for line in (job_dir / "errors.jsonl").read_text().splitlines()]
+    ok = [int(i) for i in pq.read_table(stats["output"]).column("Index").to_pylist()]  # CSV cells are text
+    errors = [int(json.loads(line)["id"]) for line in (job_dir / "errors.jsonl").read_text().splitlines()]
     return ok, errors
 
 
 def test_sigkill_at_three_points_and_sigint_then_resume_exactly_once(ray_cluster, smollm2, tmp_path):
-    rows, part = 160, 16
-    job_file, job_dir = write_job(tmp_path, rows, commit_rows=part)
+    rows, tail = 160, 20
+    job_file, job_dir = write_job(tmp_path, rows, long_tail=tail)
     log = tmp_path / "driver.log"
 
     # 1. SIGKILL before the first commit: the input is staged, the engine is still starting
@@ -104,17 +114,17 @@ def test_sigkill_at_three_points_and_sigint_then_resume_exactly_once(ray_cluster
 
     # 2. SIGKILL mid-way; `status` from another process sees the driver's counts while it runs
     p = cli("resume", str(job_dir), "--quiet", log=log)
-    wait_for(lambda: committed(job_dir) >= 3 * part, 400, "a third of the rows", p)
+    wait_for(lambda: committed(job_dir) >= 30, 400, "some committed rows", p)
     live = status(job_dir)
     assert live["state"] == "running" and live["rows_total"] == rows
-    assert 3 * part <= live["rows_done"] <= rows and live["rows_done"] == live["rows_ok"] + live["rows_error"]
+    assert 30 <= live["rows_done"] <= rows and live["rows_done"] == live["rows_ok"] + live["rows_error"]
     kill9(p)
     mid = committed(job_dir)
-    assert 3 * part <= mid < rows
+    assert 30 <= mid < rows - tail
 
     # 3. Ctrl-C stops cleanly within seconds and keeps what was answered
     p = cli("resume", str(job_dir), "--quiet", log=log)
-    wait_for(lambda: committed(job_dir) >= mid + part, 400, "progress after resume", p)
+    wait_for(lambda: committed(job_dir) >= mid + 16, 400, "progress after resume", p)
     p.send_signal(signal.SIGINT)
     t0 = time.monotonic()
     assert p.wait(timeout=60) == 130
@@ -123,12 +133,12 @@ def test_sigkill_at_three_points_and_sigint_then_resume_exactly_once(ray_cluster
     assert mid < after_int
     assert status(job_dir)["state"].startswith("stopped")
 
-    # 4. SIGKILL while the last part is being made
+    # 4. SIGKILL while the last part is being made (only the long last rows are left)
     p = cli("resume", str(job_dir), "--quiet", log=log)
-    wait_for(lambda: committed(job_dir) >= rows - part, 400, "all but the last part", p, step=0.02)
+    wait_for(lambda: committed(job_dir) >= rows - tail, 400, "all but the last part", p, step=0.02)
     assert p.poll() is None, "the job finished before it could be killed in its last part"
     kill9(p)
-    assert rows - part <= committed(job_dir) < rows
+    assert rows - tail <= committed(job_dir) < rows
 
     # 5. resume to the end: every input id exactly once across output and errors
     p = cli("resume", str(job_dir), "--quiet", log=log)
@@ -157,11 +167,11 @@ def _engine_actor_pids() -> list[int]:
 
 
 def test_engine_replica_killed_mid_run_loses_no_row(ray_cluster, smollm2, tmp_path):
-    rows, part = 96, 8
-    job_file, job_dir = write_job(tmp_path, rows, commit_rows=part)
+    rows = 96
+    job_file, job_dir = write_job(tmp_path, rows, long_tail=10)
     log = tmp_path / "driver.log"
     p = cli("run", str(job_file), "--quiet", log=log)
-    wait_for(lambda: committed(job_dir) >= 2 * part, 400, "first parts", p)
+    wait_for(lambda: committed(job_dir) >= 16, 400, "first parts", p)
     actors = _engine_actor_pids()
     assert len(actors) == 1, actors
     os.kill(actors[0], signal.SIGKILL)

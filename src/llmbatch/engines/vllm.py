@@ -89,6 +89,29 @@ def _suggest(name: str, known: list[str]) -> str:
     return f" (did you mean '{close[0]}'?)" if close else ""
 
 
+_INT_PARAMS = ("n", "max_tokens", "min_tokens", "top_k", "seed", "logprobs", "prompt_logprobs")
+_FLOAT_PARAMS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+_BOOL_PARAMS = ("ignore_eos", "detokenize", "skip_special_tokens", "include_stop_str_in_output",
+                "spaces_between_special_tokens")
+
+
+def check_types(sp: dict[str, Any]) -> None:
+    """Wrong types fail the row here, with the field named (vLLM would fail deep in a batch)."""
+    for key, value in sp.items():
+        if key in _INT_PARAMS and (isinstance(value, bool) or not isinstance(value, int)):
+            raise RowValidationError(f"sampling param '{key}' must be an integer, got {value!r}")
+        if key in _FLOAT_PARAMS and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise RowValidationError(f"sampling param '{key}' must be a number, got {value!r}")
+        if key in _BOOL_PARAMS and not isinstance(value, bool):
+            raise RowValidationError(f"sampling param '{key}' must be true or false, got {value!r}")
+    stop = sp.get("stop")
+    if stop is not None and not (isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(x, str) for x in stop))):
+        raise RowValidationError(f"sampling param 'stop' must be a string or a list of strings, got {stop!r}")
+    ids = sp.get("stop_token_ids")
+    if ids is not None and not (isinstance(ids, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in ids)):
+        raise RowValidationError(f"sampling param 'stop_token_ids' must be a list of integers, got {ids!r}")
+
+
 def _logprobs_rows(entries) -> list[list[dict[str, Any]]] | None:
     """vLLM logprobs (one {token_id: Logprob} per position) as Arrow-friendly lists."""
     if entries is None:
@@ -232,12 +255,15 @@ class VLLMEngine:
                 raise RowValidationError("sampling_params has both guided_decoding and structured_outputs; keep structured_outputs")
             sp["structured_outputs"] = sp.pop("guided_decoding")
         so = sp.pop("structured_outputs", None)
+        sp.pop("truncate_prompt_tokens", None)  # applied by the tokenize stage
         known = [f for f in SamplingParams.__struct_fields__ if not f.startswith("_")]
         for key in sp:
             if key not in known or key == "output_kind":
                 raise RowValidationError(f"unknown sampling param '{key}'{_suggest(key, known)}")
+        check_types(sp)
         if so is not None:
             sp["structured_outputs"] = self._structured_outputs(so)
+            so = {k: v for k, v in vars(sp["structured_outputs"]).items() if not k.startswith("_") and v not in (None, False)}
         try:
             params = SamplingParams(**sp)
         except Exception as exc:  # noqa: BLE001 - vLLM's own validation message names the field
@@ -248,7 +274,7 @@ class VLLMEngine:
                 f"or raise engine_kwargs.max_model_len"
             )
         params.output_kind = RequestOutputKind.FINAL_ONLY
-        return params, sp
+        return params, {**sp, "structured_outputs": so} if so else sp
 
     def pooling_params(self, raw: Any):
         from vllm import PoolingParams
@@ -300,8 +326,10 @@ class VLLMEngine:
         key = None
         if deterministic:
             key = (body, json.dumps(canonical, sort_keys=True, default=str), lora_name)
+        structured = canonical.get("structured_outputs") if isinstance(canonical, dict) else None
         return Request(prompt=prompt, params=params, key=key, sort_key=body, lora=lora_name,
-                       extra={"prompt": prompt_text if isinstance(prompt_text, str) else ""})
+                       extra={"prompt": prompt_text if isinstance(prompt_text, str) else "",
+                              "structured": structured})
 
     async def _lora_request(self, name: str | None):
         if name is None:

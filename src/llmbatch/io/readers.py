@@ -16,7 +16,6 @@ import io
 import json
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
@@ -29,14 +28,6 @@ FORMATS = ("csv", "jsonl", "json", "parquet", "hf")
 DEFAULT_BATCH_ROWS = 8192
 #: A cell larger than this is kept but the row is flagged (it is almost always a broken file).
 MAX_CELL_BYTES = 64 * 1024 * 1024
-
-
-@dataclass
-class InputInfo:
-    """What a reader learned about its input (filled in while reading)."""
-
-    format: str
-    columns: list[str] | None = None
 
 
 def infer_format(path: str) -> str:

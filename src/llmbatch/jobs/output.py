@@ -16,7 +16,7 @@ from llmbatch.io.writers import OutputWriter, unify_schema
 from llmbatch.jobs.spec import JobSpec
 from llmbatch.jobs.store import JobDir, atomic_write_json, error_record
 from llmbatch.progress import Progress
-from llmbatch.rows import ENGINE_OUTPUT_COLUMNS, ERROR_COLUMN, PRIVATE_PREFIX, ROW_ID, STATS, parse_error
+from llmbatch.rows import ENGINE_OUTPUT_COLUMNS, ERROR_COLUMN, PRIVATE_PREFIX, ROW_ID, STATS
 
 ROW_ID_COLUMN = "row_id"
 
@@ -81,6 +81,7 @@ def finish(job: JobDir, spec: JobSpec, meta: dict[str, Any], run_info: dict[str,
     totals = collections.Counter()
     error_types: collections.Counter[str] = collections.Counter()
     replicas: collections.Counter[str] = collections.Counter()
+    restarts: dict[str, int] = {}
     tmp_errors = job.errors_path.with_name(".errors.jsonl.tmp")
     try:
         with open(tmp_errors, "w") as errors_fh:
@@ -104,6 +105,8 @@ def finish(job: JobDir, spec: JobSpec, meta: dict[str, Any], run_info: dict[str,
                                 totals["cached_tokens"] += int(s.get("cached_tokens") or 0)
                                 totals["deduplicated_rows"] += int(bool(s.get("deduped")))
                                 replicas[s.get("replica") or "?"] += 1
+                                name = s.get("replica") or "?"
+                                restarts[name] = max(restarts.get(name, 0), int(s.get("restarts") or 0))
                 if err_mask.any():
                     for row in table.filter(pa.array(err_mask)).to_pylist():
                         value = row.get(id_column) if id_column else row[ROW_ID]
@@ -137,6 +140,7 @@ def finish(job: JobDir, spec: JobSpec, meta: dict[str, Any], run_info: dict[str,
         "dedup_ratio": round(totals["deduplicated_rows"] / counts["ok"], 4) if counts["ok"] else 0.0,
         "errors_by_type": dict(error_types),
         "rows_by_replica": dict(replicas),
+        "engine_restarts": sum(restarts.values()),
         "config_hash": meta.get("config_hash"),
         "wall_s": round(wall, 2),
         "rows_this_run": this_rows,

@@ -23,9 +23,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from llmbatch.errors import ConfigError, JobError
+from llmbatch.errors import ConfigError, EngineStartError, JobError, LLMBatchError, RowError
 from llmbatch.jobs.spec import JobSpec, config_hash, diff_fields, load_function, load_job, result_fields
-from llmbatch.jobs.store import FORMAT_VERSION, STAGE_ROWS, JobDir, State, atomic_write_json, error_record, input_fingerprint, same_input
+from llmbatch.jobs.store import FORMAT_VERSION, STAGE_ROWS, JobDir, atomic_write_json, input_fingerprint, same_input
 from llmbatch.progress import Progress, write_report
 from llmbatch.rows import ERROR_COLUMN, PRIVATE_PREFIX, ROW_ID, STATS, parse_error
 from llmbatch.stages.runner import STATE_COLUMN
@@ -35,7 +35,6 @@ logger = logging.getLogger(__name__)
 #: Follow-up passes for rows lost in flight (a replica killed mid-batch) before they are
 #: recorded as error rows.
 MAX_PASSES = 3
-ROW_ID_COLUMN = "row_id"
 
 
 @dataclass
@@ -277,8 +276,6 @@ def _todo_mask(ref) -> np.ndarray:
 
 def _run_pass(job: JobDir, spec: JobSpec, meta: dict[str, Any], todo: np.ndarray, done: np.ndarray,
               progress: Progress) -> None:
-    import ray.data
-
     processor = build_job_processor(spec)
     ds = _todo_dataset(job, meta, todo)
     out = processor(ds)
@@ -290,7 +287,27 @@ def _run_pass(job: JobDir, spec: JobSpec, meta: dict[str, Any], todo: np.ndarray
         committer.flush()
         if committer.duplicates:
             job.log(f"dropped {committer.duplicates} repeated rows (retried tasks)")
-    _ = ray.data
+
+
+def explain_failure(exc: BaseException) -> LLMBatchError | None:
+    """The llmbatch error behind a pipeline failure (Ray wraps errors raised in workers)."""
+    seen = set()
+    todo = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, LLMBatchError):
+            return e
+        todo.extend([getattr(e, "cause", None), e.__cause__, e.__context__])
+    text = str(exc)
+    for name, cls in (("EngineStartError", EngineStartError), ("RowError", RowError)):
+        marker = f"{name}: "
+        if marker in text:
+            detail = text.split(marker, 1)[1].strip().splitlines()[0]
+            return cls(detail) if cls is EngineStartError else JobError(f"a row failed: {detail}")
+    return None
 
 
 def _record_lost(job: JobDir, meta: dict[str, Any], missing: np.ndarray, done: np.ndarray, progress: Progress) -> None:
@@ -316,6 +333,44 @@ def _record_lost(job: JobDir, meta: dict[str, Any], missing: np.ndarray, done: n
         progress.add(**_counts(table))
 
 
+def _execute(job_dir: JobDir, spec: JobSpec, meta: dict[str, Any], todo: np.ndarray, done: np.ndarray,
+             progress: Progress) -> None:
+    """Run passes until every row is committed (or recorded as lost); translate failures."""
+    from llmbatch.cluster import ensure_ray
+
+    # worker output (engine start-up chatter) goes to Ray's log files, not the terminal
+    ensure_ray(log_to_driver=False)
+    import ray.data
+
+    ctx = ray.data.DataContext.get_current()
+    ctx.enable_progress_bars = False  # llmbatch shows its own progress
+    ctx.issue_detectors_config.detectors = []
+    logging.getLogger("ray.data").setLevel(logging.WARNING)
+    logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)
+    for attempt in range(MAX_PASSES):
+        if attempt:
+            job_dir.log(f"pass {attempt + 1}: {int(todo.sum())} rows did not come back; running them again")
+        try:
+            _run_pass(job_dir, spec, meta, todo, done, progress)
+        except KeyboardInterrupt:
+            raise
+        except Exception as exc:  # noqa: BLE001 - translated when we know what it is
+            explained = explain_failure(exc)
+            if explained is None:
+                job_dir.log(f"failed: {type(exc).__name__}: {exc}")
+                raise
+            if isinstance(explained, RowError):
+                explained = JobError(
+                    f"the job stopped at a bad row (continue_on_error is off): {explained}. Rows answered "
+                    "before it are committed; fix the row or set continue_on_error: true, then resume.")
+            job_dir.log(f"failed: {explained}")
+            raise explained from exc
+        todo = ~done
+        if not todo.any():
+            return
+    _record_lost(job_dir, meta, todo, done, progress)
+
+
 def _install_sigterm() -> Any:
     def handler(signum, frame):  # noqa: ARG001
         raise KeyboardInterrupt
@@ -337,8 +392,6 @@ def run_job(job: JobSpec | str | os.PathLike, *, overrides: list[str] | None = N
     """
     spec = _resolve_spec(job, overrides)
     job_dir, meta = open_job(spec, force=force, allow_config_change=retry_errors)
-    from llmbatch.cluster import ensure_ray
-
     with job_dir.locked():
         job_dir.clean_temporaries()
         if not meta.get("staged"):
@@ -358,39 +411,26 @@ def run_job(job: JobSpec | str | os.PathLike, *, overrides: list[str] | None = N
         job_dir.log(f"{mode}: {int(todo.sum()):,} rows to do of {meta['rows']:,}")
         old_sigterm = _install_sigterm()
         state_name = "finished"
+        run_info: dict[str, Any] = {}
         started = time.time()
         progress.start()
         try:
             if todo.any():
-                # worker output (engine start-up chatter) goes to Ray's log files, not the terminal
-                ensure_ray(log_to_driver=False)
-                import ray.data
-
-                ctx = ray.data.DataContext.get_current()
-                ctx.enable_progress_bars = False  # llmbatch shows its own progress
-                ctx.issue_detectors_config.detectors = []
-                logging.getLogger("ray.data").setLevel(logging.WARNING)
-                logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)
-                for attempt in range(MAX_PASSES):
-                    if attempt:
-                        job_dir.log(f"pass {attempt + 1}: {int(todo.sum())} rows did not come back; running them again")
-                    _run_pass(job_dir, spec, meta, todo, done, progress)
-                    todo = ~done
-                    if not todo.any():
-                        break
-                if todo.any():
-                    _record_lost(job_dir, meta, todo, done, progress)
+                _execute(job_dir, spec, meta, todo, done, progress)
         except KeyboardInterrupt:
             state_name = "stopped"
             job_dir.log("stopped by signal; committed rows are kept, run `llmbatch resume` to continue")
+        except BaseException:
+            state_name = "failed"
+            raise
         finally:
             snap = progress.stop(state_name)
             if old_sigterm is not None:
                 signal.signal(signal.SIGTERM, old_sigterm)
-        run_info = {"mode": mode, "started_at": started, "ended_at": time.time(), "state": state_name,
-                    **snap["this_run"]}
-        meta.setdefault("runs", []).append(run_info)
-        job_dir.write_meta(meta)
+            run_info = {"mode": mode, "started_at": started, "ended_at": time.time(), "state": state_name,
+                        **snap["this_run"]}
+            meta.setdefault("runs", []).append(run_info)
+            job_dir.write_meta(meta)
         if state_name != "finished":
             return JobResult(job_dir.root, state_name, None, job_dir.errors_path, snap)
         from llmbatch.jobs.output import finish
@@ -416,5 +456,3 @@ def _resolve_spec(job: JobSpec | str | os.PathLike, overrides: list[str] | None)
         return load_job(data=data, overrides=overrides)
     return load_job(path, overrides)
 
-
-_ = (State, ROW_ID_COLUMN)

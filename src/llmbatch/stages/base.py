@@ -54,12 +54,14 @@ class Stage:
 
     # -- errors ------------------------------------------------------------------------------
 
-    def fail(self, row: Row, exc: BaseException) -> Row:
-        """Mark ``row`` as failed in this stage, or raise when errors are not kept."""
+    def fail(self, row: Row, exc: BaseException, stage: str | None = None) -> Row:
+        """Mark ``row`` as failed in this stage (or the named step of it), or raise when
+        errors are not kept."""
+        stage = stage or self.name
         if not self.continue_on_error:
             message = str(exc).strip() or repr(exc)
-            raise RowError(self.name, type(exc).__name__, message, describe_row(row)) from exc
-        row[ERROR_COLUMN] = error_text(self.name, exc)
+            raise RowError(stage, type(exc).__name__, message, describe_row(row)) from exc
+        row[ERROR_COLUMN] = error_text(stage, exc)
         return row
 
     def missing_keys(self, row: Row) -> list[str]:

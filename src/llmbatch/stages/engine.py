@@ -20,16 +20,18 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import json
 import logging
 import math
 import os
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 from llmbatch.engines.base import Engine, Request
-from llmbatch.errors import EngineDiedError, EngineStartError
+from llmbatch.errors import EngineDiedError, EngineStartError, StructuredOutputError
 from llmbatch.rows import ERROR_COLUMN, STATS, Row, is_error
 from llmbatch.stages.base import Stage
 
@@ -47,8 +49,10 @@ class EngineStage(Stage):
 
     def __init__(self, engine: Engine, *, max_pending_requests: int | None = None, dedup: bool = True,
                  sort_by_prefix: bool = True, max_attempts: int = 3, flush_rows: int = 16,
-                 flush_seconds: float = 0.5, continue_on_error: bool = False):
+                 flush_seconds: float = 0.5, structured_output_errors: str = "error",
+                 continue_on_error: bool = False):
         super().__init__(continue_on_error)
+        self.structured_output_errors = structured_output_errors
         self.engine = engine
         self.max_pending_requests = max_pending_requests
         self.dedup = dedup
@@ -148,11 +152,24 @@ class EngineStage(Stage):
         except Exception as exc:  # noqa: BLE001
             return self.fail(row, exc)
         result = dict(result)
+        spec = request.extra.get("structured")
+        if spec and self.structured_output_errors != "off":
+            try:
+                check_structured(spec, result.get("generated_text", ""), result.get("finish_reason", ""))
+            except StructuredOutputError as exc:
+                if self.structured_output_errors == "error":
+                    row.update(result)
+                    return self.fail(row, exc, stage="check_output")
+                result["structured_output_error"] = str(exc)
+            else:
+                if self.structured_output_errors == "warn":
+                    result["structured_output_error"] = ""
         cached = result.pop("num_cached_tokens", 0)
         row.update(result)
         row["batch_uuid"] = batch_uuid
         row[ERROR_COLUMN] = ""
-        row[STATS] = {"replica": self.replica, "cached_tokens": cached, "deduped": copied, "ready_at": self.ready_at}
+        row[STATS] = {"replica": self.replica, "cached_tokens": cached, "deduped": copied, "ready_at": self.ready_at,
+                      "restarts": self._generation}
         for key in ("sampling_params", "pooling_params", "tokenized_prompt"):
             row.pop(key, None)
         return row
@@ -169,8 +186,8 @@ class EngineStage(Stage):
                 continue
             try:
                 work.append((row, self.engine.build_request(row)))
-            except Exception as exc:  # noqa: BLE001 - invalid request: this row's error
-                ready.append(self.fail(row, exc))
+            except Exception as exc:  # noqa: BLE001 - invalid request: this row's error, before the engine
+                ready.append(self.fail(row, exc, stage="validate"))
         if ready:
             yield ready
         if self.sort_by_prefix:
@@ -196,6 +213,32 @@ class EngineStage(Stage):
                 task.cancel()
         if buffer:
             yield buffer
+
+
+def check_structured(spec: dict[str, Any], text: str, finish_reason: str) -> None:
+    """Raise :class:`StructuredOutputError` when ``text`` does not satisfy ``spec``."""
+    if finish_reason == "length":
+        raise StructuredOutputError(
+            "generation stopped at max_tokens before the structured output was complete; raise max_tokens")
+    if "choice" in spec:
+        if text not in spec["choice"]:
+            raise StructuredOutputError(f"the answer {text[:80]!r} is not one of the choices")
+    elif "regex" in spec:
+        if re.fullmatch(spec["regex"], text) is None:
+            raise StructuredOutputError(f"the answer {text[:80]!r} does not match the regex")
+    elif "json" in spec or "json_object" in spec:
+        try:
+            value = json.loads(text)
+        except ValueError as exc:
+            raise StructuredOutputError(f"the answer is not valid JSON ({exc})") from exc
+        schema = spec.get("json")
+        if isinstance(schema, dict):
+            import jsonschema
+
+            try:
+                jsonschema.validate(value, schema)
+            except jsonschema.ValidationError as exc:
+                raise StructuredOutputError(f"the answer does not match the JSON schema: {exc.message}") from exc
 
 
 def _sortable(key: Any) -> tuple:

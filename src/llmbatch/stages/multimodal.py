@@ -61,7 +61,6 @@ class PrepareMultimodalStage(Stage):
     """Collects the image parts of ``messages`` into ``multimodal_data``."""
 
     name = "prepare_multimodal"
-    required_keys = ("messages",)
 
     def __init__(self, model_source: str, model_config_kwargs: dict[str, Any] | None = None,
                  content_format: str | None = "string", continue_on_error: bool = False):
@@ -72,9 +71,9 @@ class PrepareMultimodalStage(Stage):
 
     def process_row(self, row: Row) -> None:
         images = []
-        messages = row["messages"]
+        messages = row.get("messages")
         if not isinstance(messages, list):
-            raise RowValidationError("'messages' must be a list")
+            return  # prompt rows, or malformed messages (the chat template stage reports those)
         for msg in messages:
             content = msg.get("content") if isinstance(msg, dict) else None
             if not isinstance(content, list):

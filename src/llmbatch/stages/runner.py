@@ -25,7 +25,6 @@ import pyarrow as pa
 from llmbatch.rows import (
     ERROR_COLUMN,
     GENERATE_OUTPUT_COLUMNS,
-    ORIGINAL_COLUMNS,
     POOLING_OUTPUT_COLUMNS,
     PRIVATE_PREFIX,
     Row,
@@ -94,11 +93,7 @@ def encode_rows(rows: list[Row]) -> pa.Table:
 def decode_rows(batch: pa.Table) -> list[Row]:
     if STATE_COLUMN in batch.column_names:
         return [pickle.loads(v) for v in batch.column(STATE_COLUMN).to_pylist()]
-    columns = [c for c in batch.column_names if not c.startswith(PRIVATE_PREFIX)]
-    rows = batch.to_pylist()
-    for row in rows:
-        row[ORIGINAL_COLUMNS] = columns
-    return rows
+    return batch.to_pylist()
 
 
 class _LoopThread:

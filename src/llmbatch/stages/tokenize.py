@@ -1,17 +1,20 @@
-"""The tokenize stage: ``prompt`` -> ``tokenized_prompt``, and the length check.
+"""The tokenize stage: ``prompt`` -> ``tokenized_prompt``, and the length checks.
 
 Tokenizing here (a CPU stage, batched) keeps the engine replica's front-end free for
 scheduling; the engine then receives token ids. A prompt that cannot fit in ``max_model_len``
-with at least one generated token becomes an error row here, before it can fail an engine
-batch.
+with its ``max_tokens`` becomes an error row here, before it can reach the engine; a row that
+asks for ``truncate_prompt_tokens`` is cut from the left instead (``-1``: as much as needed).
 """
 
 from __future__ import annotations
 
 from llmbatch.errors import PromptTooLongError, RowValidationError
+from llmbatch.models import load_tokenizer, model_max_len, resolve_model
 from llmbatch.rows import ADD_SPECIAL_TOKENS, Row
 from llmbatch.stages.base import Stage
-from llmbatch.models import load_tokenizer
+
+#: vLLM's max_tokens when a row does not say.
+DEFAULT_MAX_TOKENS = 16
 
 
 class TokenizeStage(Stage):
@@ -22,15 +25,18 @@ class TokenizeStage(Stage):
     required_keys = ("prompt",)
 
     def __init__(self, model_source: str, max_model_len: int | None = None, trust_remote_code: bool = False,
-                 continue_on_error: bool = False):
+                 continue_on_error: bool = False, generate: bool = True):
         super().__init__(continue_on_error)
         self.model_source = model_source
         self.max_model_len = max_model_len
         self.trust_remote_code = trust_remote_code
+        self.generate = generate
         self.tokenizer = None
 
     def setup(self) -> None:
         self.tokenizer = load_tokenizer(self.model_source, self.trust_remote_code)
+        if self.max_model_len is None:
+            self.max_model_len = model_max_len(resolve_model(self.model_source))
 
     def check_prompt(self, row: Row) -> None:
         prompt = row["prompt"]
@@ -39,12 +45,41 @@ class TokenizeStage(Stage):
         if not prompt.strip():
             raise RowValidationError("'prompt' is empty; give some text or messages")
 
-    def check_length(self, row: Row, ids: list[int]) -> None:
-        if self.max_model_len is not None and len(ids) >= self.max_model_len:
+    def fit(self, row: Row, ids: list[int]) -> list[int]:
+        """``ids`` checked (and, when the row asks, truncated) against max_model_len."""
+        limit = self.max_model_len
+        if limit is None:
+            return ids
+        params = row.get("sampling_params") if isinstance(row.get("sampling_params"), dict) else {}
+        wanted = 0
+        if self.generate:
+            wanted = params.get("max_tokens")
+            if wanted is None:
+                wanted = DEFAULT_MAX_TOKENS
+            elif not isinstance(wanted, int) or isinstance(wanted, bool):
+                wanted = 0  # a wrong type is reported by request validation
+        truncate = params.get("truncate_prompt_tokens")
+        if truncate is not None:
+            params = dict(params)
+            params.pop("truncate_prompt_tokens")
+            row["sampling_params"] = params
+            if not isinstance(truncate, int) or isinstance(truncate, bool) or (truncate < 1 and truncate != -1):
+                raise RowValidationError("truncate_prompt_tokens must be a positive int, or -1 for 'as many as fit'")
+            keep = limit - max(1, wanted)
+            if truncate != -1:
+                keep = min(keep, truncate)
+            if keep < 1:
+                raise PromptTooLongError(f"max_tokens={wanted} leaves no room for a prompt in max_model_len={limit}")
+            ids = ids[-keep:]
+        if len(ids) >= limit:
             raise PromptTooLongError(
-                f"the prompt has {len(ids)} tokens and max_model_len is {self.max_model_len}, leaving no room "
-                f"to generate; shorten the prompt or raise engine_kwargs.max_model_len"
-            )
+                f"the prompt has {len(ids)} tokens and max_model_len is {limit}, leaving no room to generate; "
+                f"shorten the prompt, raise engine_kwargs.max_model_len, or set sampling_params.truncate_prompt_tokens")
+        if self.generate and len(ids) + wanted > limit:
+            raise PromptTooLongError(
+                f"the prompt has {len(ids)} tokens and max_tokens is {wanted}: {len(ids) + wanted} > max_model_len "
+                f"{limit}; lower max_tokens, raise engine_kwargs.max_model_len, or set truncate_prompt_tokens")
+        return ids
 
     def process_batch(self, rows: list[Row]) -> None:
         good: dict[bool, list[Row]] = {True: [], False: []}
@@ -66,7 +101,6 @@ class TokenizeStage(Stage):
                 try:
                     ids = encoded[i] if encoded is not None else self.tokenizer(
                         row["prompt"], add_special_tokens=special)["input_ids"]
-                    self.check_length(row, ids)
-                    row["tokenized_prompt"] = list(ids)
+                    row["tokenized_prompt"] = list(self.fit(row, list(ids)))
                 except Exception as exc:  # noqa: BLE001
                     self.fail(row, exc)
