@@ -189,7 +189,7 @@ def test_bad_row_fails_the_run_without_continue_on_error(ray_cluster, smollm2):
     with pytest.raises(Exception) as err:
         processor(ray.data.from_items([{"q": "hi"}])).take_all()
     text = str(err.value)
-    assert "engine: RowValidationError: unknown sampling param 'max_token'" in text and "max_tokens" in text
+    assert "validate: RowValidationError: unknown sampling param 'max_token'" in text and "max_tokens" in text
 
 
 def test_accelerator_type_that_no_node_has_fails_fast(ray_cluster):

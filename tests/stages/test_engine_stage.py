@@ -174,7 +174,7 @@ def test_bad_rows_become_error_rows_or_raise():
 
     asyncio.run(go(EngineStage(FakeEngine(), continue_on_error=True)))
     by = {r["prompt"]: r[ERROR_COLUMN] for r in out}
-    assert by["bad"].startswith("engine: RowValidationError: unknown sampling param 'max_token'")
+    assert by["bad"].startswith("validate: RowValidationError: unknown sampling param 'max_token'")
     assert by["boom"] == "engine: ValueError: the engine rejected this request"
     assert by["fine"] == ""
     with pytest.raises(RowError, match="RowValidationError"):
