@@ -66,7 +66,9 @@ def run_llmbatch(rows, model_path, args) -> dict:
     config = vLLMEngineProcessorConfig(model_source=model_path, engine_kwargs=engine_kwargs(args),
                                        batch_size=args.batch_size, concurrency=args.concurrency,
                                        dedup_requests=not args.no_dedup, sort_by_prefix=not args.no_sort)
-    result = _collect(build_processor(config)(ray.data.from_items(rows)), t0)
+    from llmbatch.rows import STATS
+
+    result = _collect(build_processor(config, keep_private=(STATS,))(ray.data.from_items(rows)), t0)
     ray.shutdown()
     return result
 
@@ -78,7 +80,12 @@ def _collect(ds, t0: float) -> dict:
     out_tokens = in_tokens = n = 0
     starts = []
     texts = {}
+    deduped = cached = 0
     for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
+        if "__llmbatch_stats" in batch.column_names:
+            for st in batch.column("__llmbatch_stats").to_pylist():
+                deduped += bool(st and st["deduped"])
+                cached += (st or {}).get("cached_tokens") or 0
         now = time.perf_counter()
         first = first or now
         n += batch.num_rows
@@ -88,9 +95,12 @@ def _collect(ds, t0: float) -> dict:
         starts.extend(now - t for t in batch.column("time_taken_llm").to_pylist())
         texts.update(zip(batch.column("id").to_pylist(), batch.column("generated_text").to_pylist()))
     end = time.perf_counter()
-    return {"rows": n, "output_tokens": out_tokens, "input_tokens": in_tokens, "wall_s": end - t0,
-            "steady_s": end - min(starts) if starts else end - t0, "first_result_s": (first or end) - t0,
-            "texts": texts}
+    result = {"rows": n, "output_tokens": out_tokens, "input_tokens": in_tokens, "wall_s": end - t0,
+              "steady_s": end - min(starts) if starts else end - t0, "first_result_s": (first or end) - t0,
+              "texts": texts}
+    if deduped or cached:
+        result.update(dedup_ratio=round(deduped / max(1, n), 3), prefix_cache_hit_rate=round(cached / max(1, in_tokens), 3))
+    return result
 
 
 def run_ray(rows, model_path, args) -> dict:

@@ -183,6 +183,7 @@ class OfflineProcessorConfig(ProcessorConfig):
     max_concurrent_batches: int = Field(8, ge=1, description="Batches one replica works on at once, so that a batch's tail overlaps the next batch.")
     max_tasks_in_flight_per_actor: Optional[int] = Field(None, ge=1, description="Batches Ray Data queues per replica (default: 2 x max_concurrent_batches).")
     should_continue_on_error: bool = Field(False, description="Turn a failing row into an error row (with '__inference_error__' set) instead of failing the run. Error rows skip postprocess.")
+    fuse_stages: bool = Field(True, description="llmbatch: run CPU stages that have no settings of their own (chat template, tokenize, detokenize, pre/postprocess) inside the engine replicas, saving a hop and a pool of workers. A stage config with batch_size, concurrency, num_cpus, memory or runtime_env always gets its own workers.")
     chat_template_stage: Any = Field(True, description="Chat template stage: bool, dict or ChatTemplateStageConfig.")
     tokenize_stage: Any = Field(True, description="Tokenize stage: bool, dict or TokenizerStageConfig.")
     detokenize_stage: Any = Field(True, description="Detokenize stage: bool, dict or DetokenizeStageConfig.")

@@ -74,8 +74,9 @@ class Processor:
 
     def __init__(self, config: ProcessorConfig, pre: list[StageSpec], engine: Stage, post: list[StageSpec],
                  *, engine_remote_args: Callable[[], dict[str, Any]] | None = None,
-                 keep_private: tuple[str, ...] = ()):
+                 keep_private: tuple[str, ...] = (), encoded_output: bool = False):
         self.config = config
+        self.encoded_output = encoded_output
         self._pre = pre
         self._engine = engine
         self._post = post
@@ -160,13 +161,39 @@ class Processor:
             remote.pop("num_gpus", None)
         return Operator("engine", [self._engine], cfg.batch_size, lo, hi, remote, in_flight, max_batches)
 
+    @staticmethod
+    def _fusable(spec: StageSpec) -> bool:
+        """A stage with no settings of its own runs inside the engine replicas."""
+        if spec.remote_args:
+            return False
+        cfg = spec.config
+        return cfg is None or all(getattr(cfg, f) is None for f in ("batch_size", "concurrency", "num_cpus",
+                                                                     "memory", "runtime_env"))
+
     def operators(self, cluster: dict[str, float] | None = None) -> list[Operator]:
-        """The Ray Data operators this processor runs, in order."""
+        """The Ray Data operators this processor runs, in order.
+
+        CPU stages without settings of their own are fused into the engine operator (one hop,
+        no extra workers: the replica templates and tokenizes its own rows, as vLLM's own
+        front-end does); a stage config with its own batch size, concurrency or resources gets
+        its own pool of workers, as in Ray.
+        """
         cluster = cluster if cluster is not None else {"CPU": 2.0}
-        pre = self._cpu_operators(self._pre, "prepare") if self._pre else []
-        post = self._cpu_operators(self._post, "finish")
-        reserved = sum(op.max_workers * op.remote_args.get("num_cpus", 1.0) for op in pre + post)
-        return pre + [self._engine_operator(cluster, reserved)] + post
+        pre, post = list(self._pre), list(self._post)
+        into_engine_pre: list[StageSpec] = []
+        into_engine_post: list[StageSpec] = []
+        if getattr(self.config, "fuse_stages", True):
+            while pre and self._fusable(pre[-1]):
+                into_engine_pre.insert(0, pre.pop())
+            while post and self._fusable(post[0]):
+                into_engine_post.append(post.pop(0))
+        pre_ops = self._cpu_operators(pre, "prepare") if pre else []
+        post_ops = self._cpu_operators(post, "finish") if post else []
+        reserved = sum(op.max_workers * op.remote_args.get("num_cpus", 1.0) for op in pre_ops + post_ops)
+        engine = self._engine_operator(cluster, reserved)
+        engine.stages = [s.stage for s in into_engine_pre] + engine.stages + [s.stage for s in into_engine_post]
+        engine.name = "+".join(s.name for s in engine.stages)
+        return pre_ops + [engine] + post_ops
 
     # -- running -----------------------------------------------------------------------------
 
@@ -200,7 +227,7 @@ class Processor:
                 pool.update(max_concurrent_calls_per_actor=op.max_concurrent_calls, enable_true_multi_threading=True)
             compute = ray.data.ActorPoolStrategy(max_tasks_in_flight_per_actor=op.max_tasks_in_flight, **pool)
             kwargs = dict(
-                fn_constructor_kwargs=dict(stages=op.stages, sink=sink, task_type=task_type,
+                fn_constructor_kwargs=dict(stages=op.stages, sink=sink, sink_rows=self.encoded_output, task_type=task_type,
                                            include_error_column=include_error, keep_private=self.keep_private),
                 batch_size=op.batch_size,
                 batch_format="pyarrow",
@@ -288,7 +315,7 @@ def build_vllm_processor(config: vLLMEngineProcessorConfig, *, preprocess: UserF
                          postprocess: UserFn | None = None, preprocess_map_kwargs: dict[str, Any] | None = None,
                          postprocess_map_kwargs: dict[str, Any] | None = None,
                          chat_template_kwargs: dict[str, Any] | None = None,
-                         keep_private: tuple[str, ...] = ()) -> Processor:
+                         keep_private: tuple[str, ...] = (), encoded_output: bool = False) -> Processor:
     """The vLLM processor: [preprocess] -> [multimodal] -> chat template -> tokenize -> vLLM ->
     detokenize -> [postprocess]."""
     from llmbatch.engines.vllm import VLLMEngine
@@ -340,7 +367,8 @@ def build_vllm_processor(config: vLLMEngineProcessorConfig, *, preprocess: UserF
     remote_fn = None
     if config.placement_group_config:
         remote_fn = _placement_group_fn(config)
-    return Processor(config, pre, engine, post, engine_remote_args=remote_fn, keep_private=keep_private)
+    return Processor(config, pre, engine, post, engine_remote_args=remote_fn, keep_private=keep_private,
+                     encoded_output=encoded_output)
 
 
 class _Passthrough(Stage):

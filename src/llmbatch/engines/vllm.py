@@ -84,6 +84,14 @@ def engine_arguments(model_path: str, engine_kwargs: dict[str, Any], task_type: 
     return {"model": model_path, **kwargs}
 
 
+def one_line(exc: BaseException) -> str:
+    """An exception as one line (vLLM's config errors span several, with pydantic links)."""
+    text = re.sub(r"For further information visit \S+", "", str(exc))
+    text = re.sub(r"\d+ validation errors? for \w+", "", text)
+    text = " ".join(text.replace("Value error,", "").split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
 def _suggest(name: str, known: list[str]) -> str:
     close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
     return f" (did you mean '{close[0]}'?)" if close else ""
@@ -169,7 +177,7 @@ class VLLMEngine:
                                                  disable_log_stats=kwargs.get("disable_log_stats", True))
         except Exception as exc:  # noqa: BLE001 - the engine's own reason is the message
             raise EngineStartError(
-                f"vLLM could not start model '{self.model_source}' ({self.model_path}): {type(exc).__name__}: {exc}"
+                f"vLLM could not start model '{self.model_source}' ({self.model_path}): {one_line(exc)}"
             ) from exc
         self.capacity = config.scheduler_config.max_num_seqs * config.parallel_config.pipeline_parallel_size
         self.max_model_len = config.model_config.max_model_len

@@ -28,7 +28,7 @@ from llmbatch.jobs.spec import JobSpec, config_hash, diff_fields, load_function,
 from llmbatch.jobs.store import FORMAT_VERSION, STAGE_ROWS, JobDir, atomic_write_json, input_fingerprint, same_input
 from llmbatch.progress import Progress, write_report
 from llmbatch.rows import ERROR_COLUMN, PRIVATE_PREFIX, ROW_ID, STATS, parse_error
-from llmbatch.stages.runner import STATE_COLUMN
+from llmbatch.stages.runner import STATE_COLUMN, decode_rows, rows_to_table
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +81,8 @@ def build_job_processor(spec: JobSpec):
     else:
         pre = _WithDefaultParams(load_function(spec.preprocess, spec.python_path), spec.sampling_params)
     post = load_function(spec.postprocess, spec.python_path) if spec.postprocess else None
-    return build_processor(config, preprocess=pre, postprocess=post, keep_private=(ROW_ID, STATS))
+    return build_processor(config, preprocess=pre, postprocess=post, keep_private=(ROW_ID, STATS),
+                           encoded_output=True)
 
 
 # ---------------------------------------------------------------------------- opening
@@ -174,10 +175,12 @@ class Committer:
         self.buffered = 0
         self.last_commit = time.monotonic()
         self.duplicates = 0
+        self.json_columns: set[str] = {"messages"}
 
-    def add(self, table: pa.Table) -> None:
-        if table.num_rows == 0:
+    def add(self, encoded: pa.Table) -> None:
+        if encoded.num_rows == 0:
             return
+        table = rows_to_table(decode_rows(encoded), self.json_columns)
         self.progress.arrived()
         ids = table.column(ROW_ID).to_numpy()
         fresh = ~self.done[ids]
@@ -325,8 +328,6 @@ def _record_lost(job: JobDir, meta: dict[str, Any], missing: np.ndarray, done: n
             row[ERROR_COLUMN] = message
             rows.append({k: v for k, v in row.items() if not k.startswith(PRIVATE_PREFIX) or k == ROW_ID})
     if rows:
-        from llmbatch.stages.runner import rows_to_table
-
         table = rows_to_table(rows)
         job.commit(table)
         done[ids] = True

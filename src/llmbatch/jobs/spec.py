@@ -329,7 +329,7 @@ def _merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
 PERF_ONLY_FIELDS = {
     "batch_size", "concurrency", "accelerator_type", "runtime_env", "max_pending_requests",
     "max_concurrent_batches", "max_tasks_in_flight_per_actor", "log_engine_metrics", "dedup_requests",
-    "sort_by_prefix", "placement_group_config", "should_continue_on_error",
+    "sort_by_prefix", "placement_group_config", "should_continue_on_error", "fuse_stages",
 }
 PERF_ONLY_ENGINE_KWARGS = {
     "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization", "kv_cache_memory_bytes",

@@ -64,7 +64,13 @@ def empty_engine_output(task_type: str, row: Row) -> dict[str, Any]:
     return {c: defaults[c] for c in columns}
 
 
-def _column(name: str, values: list[Any]) -> pa.Array:
+def _json_text(values: list[Any]) -> pa.Array:
+    return pa.array([None if v is None else json.dumps(v, default=str) for v in values], type=pa.string())
+
+
+def _column(name: str, values: list[Any], json_columns: set[str] | None = None) -> pa.Array:
+    if json_columns is not None and name in json_columns:
+        return _json_text(values)
     known = OUTPUT_TYPES.get(name)
     if known is not None:
         try:
@@ -75,15 +81,21 @@ def _column(name: str, values: list[Any]) -> pa.Array:
         return pa.array(values)
     except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, TypeError, ValueError, OverflowError):
         logger.warning("column %r holds values of mixed types; it is written as JSON text", name)
-        return pa.array([None if v is None else json.dumps(v, default=str) for v in values], type=pa.string())
+        if json_columns is not None:
+            json_columns.add(name)
+        return _json_text(values)
 
 
-def rows_to_table(rows: list[dict[str, Any]]) -> pa.Table:
-    """Typed Arrow columns from dict rows (keys may differ between rows)."""
+def rows_to_table(rows: list[dict[str, Any]], json_columns: set[str] | None = None) -> pa.Table:
+    """Typed Arrow columns from dict rows (keys may differ between rows).
+
+    A column whose values Arrow cannot hold in one type becomes JSON text; pass the same
+    ``json_columns`` set for every batch of a stream so that such a column stays text for the
+    rest of it (blocks of one dataset must agree on types)."""
     names: dict[str, None] = {}
     for row in rows:
         names.update(dict.fromkeys(row))
-    return pa.table({name: _column(name, [row.get(name) for row in rows]) for name in names})
+    return pa.table({name: _column(name, [row.get(name) for row in rows], json_columns) for name in names})
 
 
 def encode_rows(rows: list[Row]) -> pa.Table:
@@ -125,14 +137,18 @@ class _LoopThread:
 class StageRunner:
     """A Ray Data callable class that runs ``stages`` over each batch (see module docstring).
 
-    ``sink``: this is the last operator; rows leave as typed columns (the user's output).
+    ``sink``: this is the last operator; rows leave as the user's output rows: typed columns,
+    or, with ``sink_rows``, still encoded (the job driver types them when it commits).
     ``keep_private``: private keys to keep in the sink's output (the job layer's row ids).
     """
 
-    def __init__(self, stages: list[Stage], *, sink: bool = False, task_type: str = "generate",
-                 include_error_column: bool = True, keep_private: tuple[str, ...] = ()):
+    def __init__(self, stages: list[Stage], *, sink: bool = False, sink_rows: bool = False,
+                 task_type: str = "generate", include_error_column: bool = True,
+                 keep_private: tuple[str, ...] = ()):
         self.stages = stages
         self.sink = sink
+        self.sink_rows = sink_rows
+        self._json_columns: set[str] = set()
         self.task_type = task_type
         self.include_error_column = include_error_column
         self.keep_private = keep_private
@@ -171,8 +187,10 @@ class StageRunner:
         for chunk in self._loop.iterate(self._chain(rows, 0)):
             if not chunk:
                 continue
-            if self.sink:
-                yield rows_to_table([self._output_row(r) for r in chunk])
+            if self.sink and self.sink_rows:
+                yield encode_rows([self._output_row(r) for r in chunk])
+            elif self.sink:
+                yield rows_to_table([self._output_row(r) for r in chunk], self._json_columns)
             else:
                 yield encode_rows(chunk)
 

@@ -1,0 +1,47 @@
+"""How a processor lays its stages out as Ray Data operators (no Ray needed)."""
+
+from llmbatch import build_processor, vLLMEngineProcessorConfig
+from llmbatch.processor import engine_cpu_share
+
+MODEL = "smollm2-135m-instruct"
+
+
+def names(ops):
+    return [op.name for op in ops]
+
+
+def test_default_stages_run_inside_the_engine_replicas():
+    p = build_processor(vLLMEngineProcessorConfig(model_source=MODEL), preprocess=lambda r: r, postprocess=lambda r: r)
+    ops = p.operators({"CPU": 2.0})
+    assert names(ops) == ["preprocess+chat_template+tokenize+engine+detokenize+postprocess"]
+    assert ops[0].remote_args["num_cpus"] == 1.0
+    assert ops[0].max_concurrent_calls == 8 and ops[0].min_workers == ops[0].max_workers == 1
+
+
+def test_stage_with_own_settings_gets_its_own_workers():
+    config = vLLMEngineProcessorConfig(model_source=MODEL, concurrency=2,
+                                       tokenize_stage={"concurrency": 3, "num_cpus": 0.5})
+    p = build_processor(config, preprocess=lambda r: r)
+    ops = p.operators({"CPU": 8.0})
+    assert names(ops) == ["prepare:preprocess+chat_template", "prepare:tokenize", "engine+detokenize"]
+    assert ops[1].max_workers == 3 and ops[1].remote_args["num_cpus"] == 0.5
+    assert ops[2].min_workers == 2
+
+
+def test_fusion_can_be_switched_off():
+    p = build_processor(vLLMEngineProcessorConfig(model_source=MODEL, fuse_stages=False), preprocess=lambda r: r)
+    assert names(p.operators()) == ["prepare:preprocess+chat_template+tokenize", "engine", "finish:detokenize"]
+
+
+def test_engine_never_takes_the_readers_core_on_a_small_machine():
+    assert engine_cpu_share(2.0, 1, 0.0) == 1.0
+    assert engine_cpu_share(2.0, 2, 0.0) == 0.5
+    assert engine_cpu_share(2.0, 1, 0.4) == 0.6
+    assert engine_cpu_share(64.0, 8, 1.6) == 1.0
+
+
+def test_gpu_replicas_ask_for_tp_x_pp_gpus():
+    config = vLLMEngineProcessorConfig(model_source=MODEL, accelerator_type="H100",
+                                       engine_kwargs={"tensor_parallel_size": 2, "pipeline_parallel_size": 2})
+    op = build_processor(config, preprocess=lambda r: r).operators({"CPU": 64.0, "GPU": 8.0})[-1]
+    assert op.remote_args["num_gpus"] == 4 and op.remote_args["accelerator_type"] == "H100"
