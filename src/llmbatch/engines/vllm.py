@@ -172,9 +172,8 @@ class VLLMEngine:
             hint = _suggest(bad.group(1), known) if bad else ""
             raise EngineStartError(f"engine_kwargs: {exc}{hint}") from exc
         try:
-            config = args.create_engine_config()
-            self.llm = AsyncLLM.from_vllm_config(config, enable_log_requests=False,
-                                                 disable_log_stats=kwargs.get("disable_log_stats", True))
+            self.llm = AsyncLLM.from_engine_args(args)
+            config = self.llm.vllm_config
         except Exception as exc:  # noqa: BLE001 - the engine's own reason is the message
             raise EngineStartError(
                 f"vLLM could not start model '{self.model_source}' ({self.model_path}): {one_line(exc)}"
@@ -301,8 +300,6 @@ class VLLMEngine:
             raise RowValidationError(f"invalid pooling_params: {exc}") from exc
 
     def build_request(self, row: Row) -> Request:
-        from vllm.inputs import TextPrompt, TokensPrompt
-
         ids = row.get("tokenized_prompt")
         prompt_text = row.get("prompt")
         if ids is None and not (isinstance(prompt_text, str) and prompt_text.strip()):
@@ -318,9 +315,9 @@ class VLLMEngine:
             ids = [int(t) for t in to_python(ids)]
             if not ids:
                 raise RowValidationError("'tokenized_prompt' is empty")
-            prompt = TokensPrompt(prompt_token_ids=ids)
+            prompt = {"prompt_token_ids": ids}  # vLLM's TokensPrompt (a TypedDict: a plain dict)
         else:
-            prompt = TextPrompt(prompt=prompt_text)
+            prompt = {"prompt": prompt_text}  # TextPrompt
         mm = row.get("multimodal_data")
         if mm:
             prompt["multi_modal_data"] = mm
