@@ -348,7 +348,7 @@ def build_vllm_processor(config: vLLMEngineProcessorConfig, *, preprocess: UserF
     lo, hi = config.concurrency_range()
     engine = EngineStage(
         VLLMEngine(config.model_source, config.engine_kwargs, config.task_type, config.dynamic_lora_loading_path,
-                   replicas_per_node=hi),
+                   replicas_per_node=hi, detokenize_after=config.detokenize_stage.enabled and generate),
         max_pending_requests=config.max_pending_requests,
         dedup=config.dedup_requests,
         sort_by_prefix=config.sort_by_prefix,

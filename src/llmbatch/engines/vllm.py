@@ -140,8 +140,12 @@ class VLLMEngine:
     """One vLLM ``AsyncLLM`` with llmbatch's request building and output shaping."""
 
     def __init__(self, model_source: str, engine_kwargs: dict[str, Any], task_type: str = "generate",
-                 dynamic_lora_loading_path: str | None = None, replicas_per_node: int = 1):
+                 dynamic_lora_loading_path: str | None = None, replicas_per_node: int = 1,
+                 detokenize_after: bool = False):
         self.model_source = model_source
+        #: the detokenize stage decodes answers once at the end, so the engine's front-end can
+        #: skip incremental detokenization (per token, per step) where nothing needs the text early
+        self.detokenize_after = detokenize_after
         self.engine_kwargs = dict(engine_kwargs)
         self.task_type = task_type
         self.dynamic_lora_loading_path = dynamic_lora_loading_path
@@ -281,6 +285,9 @@ class VLLMEngine:
                 f"or raise engine_kwargs.max_model_len"
             )
         params.output_kind = RequestOutputKind.FINAL_ONLY
+        if (self.detokenize_after and "detokenize" not in sp and so is None and not params.stop
+                and params.logprobs is None and params.prompt_logprobs is None):
+            params.detokenize = False
         return params, {**sp, "structured_outputs": so} if so else sp
 
     def pooling_params(self, raw: Any):

@@ -23,8 +23,13 @@ class DetokenizeStage(Stage):
             return
         if self.tokenizer is None:
             self.tokenizer = load_tokenizer(self.model_source, self.trust_remote_code)
-        for row in todo:
+        try:
+            texts = self.tokenizer.batch_decode([r["generated_tokens"] for r in todo], skip_special_tokens=True)
+        except Exception:  # noqa: BLE001 - find the row that fails
+            texts = None
+        for i, row in enumerate(todo):
             try:
-                row["generated_text"] = self.tokenizer.decode(row["generated_tokens"], skip_special_tokens=True)
+                row["generated_text"] = texts[i] if texts is not None else self.tokenizer.decode(
+                    row["generated_tokens"], skip_special_tokens=True)
             except Exception as exc:  # noqa: BLE001
                 self.fail(row, exc)
