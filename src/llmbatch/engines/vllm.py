@@ -164,6 +164,7 @@ class VLLMEngine:
         from llmbatch.models import resolve_model
 
         vllm = self._vllm = _import_vllm()
+        from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
 
         self.model_path = resolve_model(self.model_source)
@@ -176,7 +177,9 @@ class VLLMEngine:
             hint = _suggest(bad.group(1), known) if bad else ""
             raise EngineStartError(f"engine_kwargs: {exc}{hint}") from exc
         try:
-            self.llm = AsyncLLM.from_engine_args(args)
+            # Offline-batch defaults (vLLM's LLM class: e.g. max_num_seqs 1024 and 16k batched
+            # tokens on an H100), not the serving defaults AsyncLLM would pick (128 and 2k).
+            self.llm = AsyncLLM.from_engine_args(args, usage_context=UsageContext.LLM_CLASS)
             config = self.llm.vllm_config
         except Exception as exc:  # noqa: BLE001 - the engine's own reason is the message
             raise EngineStartError(
