@@ -160,13 +160,11 @@ def run_llmbatch_job(rows, model_path, args) -> dict:
 
     table = pq.read_table(result.output_path)
     stats = result.stats
-    first = stats["runs"][-1]
-    steady = stats["rows_this_run"] / stats["steady_rows_per_s"] if stats.get("steady_rows_per_s") else end - t0
+    steady = stats.get("steady_s") or end - t0
     return {"rows": table.num_rows, "output_tokens": stats["output_tokens"], "input_tokens": stats["input_tokens"],
             "wall_s": end - t0, "steady_s": steady, "first_result_s": end - t0 - steady,
             "texts": dict(zip(table.column("id").to_pylist(), table.column("generated_text").to_pylist())),
-            "dedup_ratio": stats["dedup_ratio"], "prefix_cache_hit_rate": stats["prefix_cache_hit_rate"],
-            "_run": first}
+            "dedup_ratio": stats["dedup_ratio"], "prefix_cache_hit_rate": stats["prefix_cache_hit_rate"]}
 
 
 SYSTEMS = {"vllm": run_vllm, "llmbatch": run_llmbatch, "ray": run_ray, "llmbatch-job": run_llmbatch_job}

@@ -17,7 +17,9 @@ def test_defaults_match_ray():
     c = vLLMEngineProcessorConfig(model_source=MODEL)
     assert c.batch_size == 32
     assert c.concurrency == 1
-    assert c.max_concurrent_batches == 8
+    assert c.max_concurrent_batches is None and c.resolved_max_concurrent_batches() == 64  # 2048 rows / 32
+    assert vLLMEngineProcessorConfig(model_source=MODEL, batch_size=512).resolved_max_concurrent_batches() == 8
+    assert vLLMEngineProcessorConfig(model_source=MODEL, max_concurrent_batches=3).resolved_max_concurrent_batches() == 3
     assert c.task_type == "generate"
     assert c.should_continue_on_error is False
     assert c.chat_template_stage.enabled and c.tokenize_stage.enabled and c.detokenize_stage.enabled

@@ -15,7 +15,7 @@ def test_default_stages_run_inside_the_engine_replicas():
     ops = p.operators({"CPU": 2.0})
     assert names(ops) == ["preprocess+chat_template+tokenize+engine+detokenize+postprocess"]
     assert ops[0].remote_args["num_cpus"] == 1.0
-    assert ops[0].max_concurrent_calls == 8 and ops[0].min_workers == ops[0].max_workers == 1
+    assert ops[0].max_concurrent_calls == 64 and ops[0].min_workers == ops[0].max_workers == 1
 
 
 def test_stage_with_own_settings_gets_its_own_workers():

@@ -20,6 +20,8 @@ from llmbatch.errors import ConfigError
 Concurrency = Union[int, tuple[int, int]]
 TaskType = Literal["generate", "embed", "classify", "score"]
 TASK_TYPES = ("generate", "embed", "classify", "score")
+#: Requests a replica keeps admitted by default (about 2 x vLLM's max_num_seqs on a large GPU).
+ADMITTED_REQUESTS = 2048
 
 
 def _format_validation_error(cls_name: str, exc: ValidationError, known: list[str]) -> str:
@@ -180,7 +182,7 @@ class OfflineProcessorConfig(ProcessorConfig):
     model_source: str = Field(..., description="The model: a built-in offline alias (see `llmbatch models list`), a local directory, a Hugging Face hub id, an s3:// or gs:// folder, or a .gguf file.")
     runtime_env: Optional[dict[str, Any]] = Field(None, description="Ray runtime environment for the engine replicas.")
     max_pending_requests: Optional[int] = Field(None, description="Most requests inside one engine at a time. Default: 1.1 x the engine's max_num_seqs; 0 or less: no bound.")
-    max_concurrent_batches: int = Field(8, ge=1, description="Batches one replica works on at once, so that a batch's tail overlaps the next batch.")
+    max_concurrent_batches: Optional[int] = Field(None, ge=1, description="Batches one replica works on at once, so that a batch's slow tail never starves the engine (rows of the next batches fill its free slots). Default: enough batches to keep about 2048 requests admitted per replica (8 to 64), beyond which max_pending_requests holds them back.")
     max_tasks_in_flight_per_actor: Optional[int] = Field(None, ge=1, description="Batches Ray Data queues per replica (default: 2 x max_concurrent_batches).")
     should_continue_on_error: bool = Field(False, description="Turn a failing row into an error row (with '__inference_error__' set) instead of failing the run. Error rows skip postprocess.")
     fuse_stages: bool = Field(True, description="llmbatch: run CPU stages that have no settings of their own (chat template, tokenize, detokenize, pre/postprocess) inside the engine replicas, saving a hop and a pool of workers. A stage config with batch_size, concurrency, num_cpus, memory or runtime_env always gets its own workers.")
@@ -239,6 +241,11 @@ class OfflineProcessorConfig(ProcessorConfig):
         from llmbatch.models import check_model_source
 
         return check_model_source(value)
+
+    def resolved_max_concurrent_batches(self) -> int:
+        if self.max_concurrent_batches is not None:
+            return self.max_concurrent_batches
+        return max(8, min(64, -(-ADMITTED_REQUESTS // self.batch_size)))
 
     def stage(self, name: str) -> StageConfig:
         """The resolved config of stage ``name`` (e.g. ``"tokenize_stage"``)."""

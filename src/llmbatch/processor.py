@@ -154,7 +154,7 @@ class Processor:
         runtime_env = getattr(cfg, "runtime_env", None)
         if runtime_env:
             remote["runtime_env"] = runtime_env
-        max_batches = getattr(cfg, "max_concurrent_batches", 8)
+        max_batches = cfg.resolved_max_concurrent_batches() if hasattr(cfg, "resolved_max_concurrent_batches") else 8
         in_flight = getattr(cfg, "max_tasks_in_flight_per_actor", None) or 2 * max_batches
         if self._engine_remote_args is not None and use_gpu:
             remote["ray_remote_args_fn"] = self._engine_remote_args

@@ -192,3 +192,18 @@ def test_missing_prompt_names_the_keys():
 
     asyncio.run(go())
     assert "needs 'tokenized_prompt or prompt'" in out[0][ERROR_COLUMN]
+
+
+def test_structured_output_check():
+    from llmbatch.errors import StructuredOutputError
+    from llmbatch.stages.engine import check_structured
+
+    check_structured({"choice": ["A", "Construction"]}, "Construction", "length")  # complete, only EOS cut
+    check_structured({"regex": r"\d{3}"}, "123", "stop")
+    check_structured({"json": {"type": "object", "required": ["a"]}}, '{"a": 1}', "stop")
+    with pytest.raises(StructuredOutputError, match="not one of the choices"):
+        check_structured({"choice": ["A"]}, "B", "stop")
+    with pytest.raises(StructuredOutputError, match="stopped at max_tokens"):
+        check_structured({"json": {"type": "object"}}, '{"a": ', "length")
+    with pytest.raises(StructuredOutputError, match="does not match the JSON schema"):
+        check_structured({"json": {"type": "object", "required": ["a"]}}, '{"b": 1}', "stop")

@@ -82,6 +82,7 @@ def finish(job: JobDir, spec: JobSpec, meta: dict[str, Any], run_info: dict[str,
     error_types: collections.Counter[str] = collections.Counter()
     replicas: collections.Counter[str] = collections.Counter()
     restarts: dict[str, int] = {}
+    ready_at: list[float] = []
     tmp_errors = job.errors_path.with_name(".errors.jsonl.tmp")
     try:
         with open(tmp_errors, "w") as errors_fh:
@@ -106,6 +107,8 @@ def finish(job: JobDir, spec: JobSpec, meta: dict[str, Any], run_info: dict[str,
                                 totals["deduplicated_rows"] += int(bool(s.get("deduped")))
                                 replicas[s.get("replica") or "?"] += 1
                                 name = s.get("replica") or "?"
+                                if (s.get("ready_at") or 0) >= run_info["started_at"]:
+                                    ready_at.append(s["ready_at"])
                                 restarts[name] = max(restarts.get(name, 0), int(s.get("restarts") or 0))
                 if err_mask.any():
                     for row in table.filter(pa.array(err_mask)).to_pylist():
@@ -123,8 +126,8 @@ def finish(job: JobDir, spec: JobSpec, meta: dict[str, Any], run_info: dict[str,
     wall = run_info["ended_at"] - run_info["started_at"]
     this_rows = run_info.get("ok", 0) + run_info.get("errors", 0)
     snap = progress.snapshot()
-    first = progress.first_row_at
-    steady = (run_info["ended_at"] - first) if first else None
+    # steady state: from the moment this run's first engine replica was ready
+    steady = (run_info["ended_at"] - min(ready_at)) if ready_at else None
     stats = {
         "job_dir": str(job.root),
         "output": output_path,
@@ -147,6 +150,7 @@ def finish(job: JobDir, spec: JobSpec, meta: dict[str, Any], run_info: dict[str,
         "rows_per_s": round(this_rows / wall, 3) if wall > 0 else 0.0,
         "output_tokens_per_s": round(run_info.get("output_tokens", 0) / wall, 2) if wall > 0 else 0.0,
         "input_tokens_per_s": round(run_info.get("input_tokens", 0) / wall, 2) if wall > 0 else 0.0,
+        "steady_s": round(steady, 2) if steady else None,
         "steady_rows_per_s": round(this_rows / steady, 3) if steady else None,
         "steady_output_tokens_per_s": round(run_info.get("output_tokens", 0) / steady, 2) if steady else None,
         "runs": runs,

@@ -216,10 +216,21 @@ class EngineStage(Stage):
 
 
 def check_structured(spec: dict[str, Any], text: str, finish_reason: str) -> None:
-    """Raise :class:`StructuredOutputError` when ``text`` does not satisfy ``spec``."""
-    if finish_reason == "length":
-        raise StructuredOutputError(
-            "generation stopped at max_tokens before the structured output was complete; raise max_tokens")
+    """Raise :class:`StructuredOutputError` when ``text`` does not satisfy ``spec``.
+
+    An answer that satisfies its spec is fine even when the end-of-sequence token did not fit
+    in ``max_tokens``; one that does not and was cut by ``max_tokens`` says so."""
+    try:
+        _check_structured(spec, text)
+    except StructuredOutputError as exc:
+        if finish_reason == "length":
+            raise StructuredOutputError(
+                f"generation stopped at max_tokens before the structured output was complete ({exc}); "
+                "raise max_tokens") from exc
+        raise
+
+
+def _check_structured(spec: dict[str, Any], text: str) -> None:
     if "choice" in spec:
         if text not in spec["choice"]:
             raise StructuredOutputError(f"the answer {text[:80]!r} is not one of the choices")
