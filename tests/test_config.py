@@ -122,3 +122,12 @@ def test_field_docs_exist_for_every_field():
     for cls in (vLLMEngineProcessorConfig, ChatTemplateStageConfig, HttpRequestProcessorConfig):
         docs = cls.field_docs()
         assert docs and all(docs.values()), [k for k, v in docs.items() if not v]
+
+
+def test_configuration_reference_is_current():
+    from pathlib import Path
+
+    from llmbatch.config import config_reference
+
+    committed = (Path(__file__).resolve().parents[1] / "docs" / "configuration.md").read_text()
+    assert committed.strip() == config_reference().strip(), "regenerate docs/configuration.md with llmbatch.config.config_reference()"

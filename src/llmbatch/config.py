@@ -324,3 +324,33 @@ class HttpRequestProcessorConfig(ProcessorConfig):
 def default_cache_dir() -> str:
     """Where llmbatch keeps prepared models and fetched wheels ($LLMBATCH_CACHE)."""
     return os.environ.get("LLMBATCH_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "llmbatch")
+
+
+def config_reference() -> str:
+    """The configuration reference (docs/configuration.md), made from the fields' own docs."""
+    from llmbatch.jobs.spec import InputSpec, JobSpec, ModelSpec, OutputSpec, PromptSpec
+
+    sections = [
+        ("Processor configs", [vLLMEngineProcessorConfig, SGLangEngineProcessorConfig, HttpRequestProcessorConfig]),
+        ("Stage configs", [ChatTemplateStageConfig, TokenizerStageConfig, DetokenizeStageConfig,
+                           PrepareMultimodalStageConfig]),
+        ("Job files", [JobSpec, InputSpec, ModelSpec, PromptSpec, OutputSpec]),
+    ]
+    out = ["# Configuration reference", "",
+           "Generated from the configs' field descriptions: `python -c \"from llmbatch.config import config_reference as c; print(c())\" > docs/configuration.md`.", ""]
+    for title, classes in sections:
+        out += [f"## {title}", ""]
+        for cls in classes:
+            doc = (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else ""
+            out += [f"### `{cls.__name__}`", "", doc, "", "| field | type | default | description |",
+                    "| --- | --- | --- | --- |"]
+            for name, field in cls.model_fields.items():
+                default = "required" if field.is_required() else repr(
+                    field.default_factory() if field.default_factory is not None else field.default)
+                ann = field.annotation
+                annotation = (ann.__name__ if isinstance(ann, type) else str(ann)).replace("typing.", "").replace("|", "\\|")
+                description = (field.description or "").replace("|", "\\|")
+                out.append(f"| `{name}` | `{annotation}` | `{default}` | {description} |")
+            out.append("")
+    return "\n".join(out)
+

@@ -367,6 +367,8 @@ def build_vllm_processor(config: vLLMEngineProcessorConfig, *, preprocess: UserF
     remote_fn = None
     if config.placement_group_config:
         remote_fn = _placement_group_fn(config)
+        # the replica's workers live in its placement group: vLLM places them through Ray
+        engine.engine.engine_kwargs.setdefault("distributed_executor_backend", "ray")
     return Processor(config, pre, engine, post, engine_remote_args=remote_fn, keep_private=keep_private,
                      encoded_output=encoded_output)
 

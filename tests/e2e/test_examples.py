@@ -39,8 +39,11 @@ def test_every_example_is_covered():
 
 def test_industry_example(ray_cluster, smollm2, sample_csv, tmp_path):
     out = tmp_path / "industries.parquet"
-    run_cli("run", str(EXAMPLES / "industry.yaml"), "--quiet", "--set", f"input.path={sample_csv}",
-            "--set", "input.limit=12", "--set", f"output.path={out}")
+    proc = run_cli("run", str(EXAMPLES / "industry.yaml"), "--quiet", "--report", "--set", f"input.path={sample_csv}",
+                   "--set", "input.limit=12", "--set", f"output.path={out}")
+    assert "12 answered" in proc.stdout and "report" in proc.stdout
+    png = tmp_path / "industries.parquet.job" / "report.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = pq.read_table(out)
     assert table.column_names == ["Index", "Company", "industry"]
     assert sorted(int(i) for i in table.column("Index").to_pylist()) == list(range(1, 13))
