@@ -59,6 +59,7 @@ class Progress:
         self.state = "running"
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._tick_lock = threading.Lock()  # a snapshot is written whole, and never after a newer one
         self._thread: threading.Thread | None = None
         self._live = None
         self._last_log = 0.0
@@ -163,9 +164,10 @@ class Progress:
         tmp.replace(self.progress_path)
 
     def tick(self) -> None:
-        snap = self.snapshot()
-        self.timeline.append((snap["updated_at"], snap["rows_done"], self.in_tokens, self.out_tokens))
-        self._write(snap)
+        with self._tick_lock:
+            snap = self.snapshot()
+            self.timeline.append((snap["updated_at"], snap["rows_done"], self.in_tokens, self.out_tokens))
+            self._write(snap)
         if self.quiet:
             return
         if self._live is not None:
@@ -191,8 +193,17 @@ class Progress:
         self._thread.start()
         return self
 
+    def mark(self, state: str) -> dict[str, Any]:
+        """Record a new state after :meth:`stop` (e.g. stopped while the output was written)."""
+        with self._tick_lock:
+            self.state = state
+            snap = self.snapshot()
+            self._write(snap)
+        return snap
+
     def stop(self, state: str) -> dict[str, Any]:
-        self.state = state
+        with self._tick_lock:
+            self.state = state
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)

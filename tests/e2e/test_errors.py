@@ -260,14 +260,14 @@ def test_engine_that_cannot_start_fails_fast_with_its_reason(ray_cluster, smollm
 def test_killing_the_engine_process_loses_no_row(ray_cluster, smollm2, tmp_path):
     from llmbatch.sample_data import write_customers_csv
 
-    write_customers_csv(tmp_path / "c.csv", 80, seed=5)
+    write_customers_csv(tmp_path / "c.csv", 200, seed=5)
     log = open(tmp_path / "driver.log", "wb")
     p = subprocess.Popen([sys.executable, "-m", "llmbatch", "run", "--input", str(tmp_path / "c.csv"),
                           "--id-column", "Index", "--model", "smollm2-135m-instruct",
                           "--prompt", "Customer #{Index}: describe {Company} in one sentence.",
-                          "--output", str(tmp_path / "o.parquet"), "--max-tokens", "24", "--quiet",
+                          "--output", str(tmp_path / "o.parquet"), "--max-tokens", "64", "--quiet",
                           "--set", "sampling_params.ignore_eos=true", "--set", "commit_seconds=1",
-                          "--set", "model.batch_size=8"],
+                          "--set", "model.batch_size=8", "--set", "model.max_concurrent_batches=2"],
                          stdout=log, stderr=subprocess.STDOUT, env=os.environ, start_new_session=True)
     job_dir = tmp_path / "o.parquet.job"
 
@@ -282,11 +282,11 @@ def test_killing_the_engine_process_loses_no_row(ray_cluster, smollm2, tmp_path)
         assert p.poll() is None and time.monotonic() < deadline, (tmp_path / "driver.log").read_text()[-3000:]
         time.sleep(0.2)
     cores = [q for q in psutil.process_iter(["cmdline"]) if "VLLM::EngineCore" in " ".join(q.info["cmdline"] or [])]
-    assert len(cores) == 1
+    assert len(cores) == 1 and committed() < 200, "the job should still be running"
     cores[0].send_signal(signal.SIGKILL)
     assert p.wait(timeout=900) == 0, (tmp_path / "driver.log").read_text()[-3000:]
     stats = json.loads((job_dir / "stats.json").read_text())
     table = pq.read_table(stats["output"])
-    assert sorted(int(i) for i in table.column("Index").to_pylist()) == list(range(1, 81))
+    assert sorted(int(i) for i in table.column("Index").to_pylist()) == list(range(1, 201))
     assert stats["rows_error"] == 0
     assert stats["engine_restarts"] >= 1

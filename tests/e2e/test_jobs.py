@@ -28,10 +28,12 @@ HOOKS = """
 def request(row):
     # the last rows of the input write much longer answers: they finish last, and the final
     # part of the job is still being made while every other row is committed
-    long = int(row["Index"]) > LONG_AFTER
+    # and the very last batch writes the longest: it is still running when the rest is committed
+    index = int(row["Index"])
+    tokens = 300 if index > LAST_AFTER else (100 if index > LONG_AFTER else 16)
     return {"messages": [{"role": "user", "content": f"Customer #{row['Index']}: write a welcome note for "
                                                      f"{row['First Name']} {row['Last Name']} of {row['Company']}."}],
-            "sampling_params": {"temperature": 0, "ignore_eos": True, "max_tokens": 160 if long else 16}}
+            "sampling_params": {"temperature": 0, "ignore_eos": True, "max_tokens": tokens}}
 """
 
 
@@ -39,7 +41,7 @@ def write_job(tmp_path: Path, rows: int, *, long_tail: int = 20) -> tuple[Path, 
     from llmbatch.sample_data import write_customers_csv
 
     write_customers_csv(tmp_path / "customers.csv", rows, seed=11)
-    (tmp_path / "hooks.py").write_text(f"LONG_AFTER = {rows - long_tail}\n" + HOOKS)
+    (tmp_path / "hooks.py").write_text(f"LONG_AFTER = {rows - long_tail}\nLAST_AFTER = {rows - 8}\n" + HOOKS)
     job = tmp_path / "job.yaml"
     job.write_text(textwrap.dedent("""
         input: {path: customers.csv, id_column: Index}
@@ -47,6 +49,7 @@ def write_job(tmp_path: Path, rows: int, *, long_tail: int = 20) -> tuple[Path, 
           source: smollm2-135m-instruct
           engine_kwargs: {max_model_len: 512}
           batch_size: 8
+          max_concurrent_batches: 2   # rows come back in waves (not all at once), so kills land mid-job
         preprocess: hooks:request
         output: {path: out/notes.parquet, columns: [Index, Company, generated_text, num_generated_tokens]}
         commit_rows: 1000
@@ -130,15 +133,16 @@ def test_sigkill_at_three_points_and_sigint_then_resume_exactly_once(ray_cluster
     assert p.wait(timeout=60) == 130
     assert time.monotonic() - t0 < 30
     after_int = committed(job_dir)
-    assert mid < after_int
+    assert mid < after_int < rows - tail
     assert status(job_dir)["state"].startswith("stopped")
 
     # 4. SIGKILL while the last part is being made (only the long last rows are left)
     p = cli("resume", str(job_dir), "--quiet", log=log)
-    wait_for(lambda: committed(job_dir) >= rows - tail, 400, "all but the last part", p, step=0.02)
+    near_end = rows - tail - 8  # every short row (the long ones take a minute more)
+    wait_for(lambda: committed(job_dir) >= near_end, 400, "all but the last part", p, step=0.02)
     assert p.poll() is None, "the job finished before it could be killed in its last part"
     kill9(p)
-    assert rows - tail <= committed(job_dir) < rows
+    assert near_end <= committed(job_dir) < rows
 
     # 5. resume to the end: every input id exactly once across output and errors
     p = cli("resume", str(job_dir), "--quiet", log=log)
@@ -174,6 +178,7 @@ def test_engine_replica_killed_mid_run_loses_no_row(ray_cluster, smollm2, tmp_pa
     wait_for(lambda: committed(job_dir) >= 16, 400, "first parts", p)
     actors = _engine_actor_pids()
     assert len(actors) == 1, actors
+    assert committed(job_dir) < rows, "the job should still be running when its replica is killed"
     os.kill(actors[0], signal.SIGKILL)
     assert p.wait(timeout=900) == 0, log.read_text()[-3000:]
     ok, errors = output_ids(job_dir)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -65,4 +63,3 @@ def test_lock_refuses_a_second_driver(tmp_path):
             with JobDir(tmp_path / "job").locked():
                 pass
     assert not job.is_running()
-    _ = json

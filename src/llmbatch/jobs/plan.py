@@ -21,19 +21,16 @@ import numpy as np
 
 from llmbatch.errors import ConfigError
 from llmbatch.io.readers import READ_ERROR, read_rows
-from llmbatch.jobs.spec import JobSpec, load_function
+from llmbatch.jobs.spec import JobSpec
 
 BLOCK = 16  # vLLM's default KV block size: the unit of prefix caching
 BATCH = 4096
 
 
 def _request_builder(spec: JobSpec):
-    from llmbatch.jobs.prompts import TemplatePreprocess
-    from llmbatch.jobs.run import _WithDefaultParams
+    from llmbatch.jobs.prompts import job_preprocess
 
-    if spec.prompt is not None:
-        return TemplatePreprocess(spec.prompt, spec.sampling_params)
-    return _WithDefaultParams(load_function(spec.preprocess, spec.python_path), spec.sampling_params)
+    return job_preprocess(spec)
 
 
 def _max_model_len(spec: JobSpec, model_path: str) -> int | None:
@@ -66,9 +63,9 @@ def plan_job(spec: JobSpec, *, throughput: float | None = None, calibrate_rows: 
     checked_fields = False
     for batch in read_rows(spec.input.path, spec.input.format, spec.input.columns, spec.input.limit, BATCH):
         if not checked_fields and spec.prompt is not None:
-            from llmbatch.jobs.run import _check_prompt_fields
+            from llmbatch.jobs.prompts import check_prompt_fields
 
-            _check_prompt_fields(spec, [k for k in batch[0] if k != READ_ERROR])
+            check_prompt_fields(spec, [k for k in batch[0] if k != READ_ERROR])
             checked_fields = True
         prompts: list[str] = []
         specials: list[bool] = []

@@ -5,8 +5,8 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from llmbatch.errors import RowValidationError
-from llmbatch.jobs.spec import PromptSpec
+from llmbatch.errors import ConfigError, RowValidationError
+from llmbatch.jobs.spec import JobSpec, PromptSpec, load_function
 from llmbatch.rows import is_missing
 
 
@@ -72,3 +72,37 @@ class TemplatePreprocess:
         messages.append({"role": "user", "content": render(p.user, row)})
         out["messages"] = messages
         return out
+
+
+class WithDefaultParams:
+    """A user preprocess whose rows get the job's sampling_params as defaults."""
+
+    def __init__(self, fn, sampling_params: dict[str, Any]):
+        self.fn = fn
+        self.sampling_params = sampling_params
+
+    def __call__(self, row: dict[str, Any]) -> dict[str, Any]:
+        out = self.fn(row)
+        if isinstance(out, dict) and self.sampling_params:
+            out = {**out, "sampling_params": {**self.sampling_params, **(out.get("sampling_params") or {})}}
+        return out
+
+
+def job_preprocess(spec: JobSpec):
+    """The preprocess a job's processor runs: its prompt templates, or its own function with
+    the job's sampling_params as defaults."""
+    if spec.prompt is not None:
+        return TemplatePreprocess(spec.prompt, spec.sampling_params)
+    return WithDefaultParams(load_function(spec.preprocess, spec.python_path), spec.sampling_params)
+
+
+def check_prompt_fields(spec: JobSpec, columns: list[str]) -> None:
+    """Fail before any work when the prompt names a field the input does not have."""
+    if spec.prompt is None:
+        return
+    missing = [f for f in spec.prompt.fields() if f not in columns]
+    if missing:
+        raise ConfigError(
+            f"the prompt uses {', '.join('{' + m + '}' for m in missing)}, which the input does not have. "
+            f"Input columns: {', '.join(columns)}"
+        )

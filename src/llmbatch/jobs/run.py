@@ -23,7 +23,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from llmbatch.errors import ConfigError, EngineStartError, JobError, LLMBatchError, RowError
+from llmbatch.errors import EngineStartError, JobError, LLMBatchError, RowError
+from llmbatch.jobs.prompts import check_prompt_fields
 from llmbatch.jobs.spec import JobSpec, config_hash, diff_fields, load_function, load_job, result_fields
 from llmbatch.jobs.store import FORMAT_VERSION, STAGE_ROWS, JobDir, atomic_write_json, input_fingerprint, same_input
 from llmbatch.progress import Progress, write_report
@@ -55,48 +56,20 @@ class JobResult:
 # ---------------------------------------------------------------------------- processor
 
 
-class _WithDefaultParams:
-    """A user preprocess whose rows get the job's sampling_params as defaults."""
-
-    def __init__(self, fn, sampling_params: dict[str, Any]):
-        self.fn = fn
-        self.sampling_params = sampling_params
-
-    def __call__(self, row: dict[str, Any]) -> dict[str, Any]:
-        out = self.fn(row)
-        if isinstance(out, dict) and self.sampling_params:
-            out = {**out, "sampling_params": {**self.sampling_params, **(out.get("sampling_params") or {})}}
-        return out
-
-
 def build_job_processor(spec: JobSpec):
     """The processor a job runs: the spec's model, its prompt as preprocess, and the job's
     private columns (row id, per-row engine facts) kept for the driver."""
-    from llmbatch.jobs.prompts import TemplatePreprocess
+    from llmbatch.jobs.prompts import job_preprocess
     from llmbatch.processor import build_processor
 
     config = spec.processor_config()
-    if spec.prompt is not None:
-        pre = TemplatePreprocess(spec.prompt, spec.sampling_params)
-    else:
-        pre = _WithDefaultParams(load_function(spec.preprocess, spec.python_path), spec.sampling_params)
+    pre = job_preprocess(spec)
     post = load_function(spec.postprocess, spec.python_path) if spec.postprocess else None
     return build_processor(config, preprocess=pre, postprocess=post, keep_private=(ROW_ID, STATS),
                            encoded_output=True)
 
 
 # ---------------------------------------------------------------------------- opening
-
-
-def _check_prompt_fields(spec: JobSpec, columns: list[str]) -> None:
-    if spec.prompt is None:
-        return
-    missing = [f for f in spec.prompt.fields() if f not in columns]
-    if missing:
-        raise ConfigError(
-            f"the prompt uses {', '.join('{' + m + '}' for m in missing)}, which the input does not have. "
-            f"Input columns: {', '.join(columns)}"
-        )
 
 
 def _new_meta(spec: JobSpec, fields: dict[str, Any]) -> dict[str, Any]:
@@ -151,7 +124,7 @@ def _stage(job: JobDir, spec: JobSpec, meta: dict[str, Any]) -> dict[str, Any]:
     job.log(f"staging input {spec.input.path}")
     fingerprint = input_fingerprint(spec.input.path)
     info = job.stage(spec.input.path, spec.input.format, spec.input.columns, spec.input.limit, spec.input.id_column)
-    _check_prompt_fields(spec, info["columns"])
+    check_prompt_fields(spec, info["columns"])
     meta.update(staged=True, rows=info["rows"], columns=info["columns"], stage_rows=STAGE_ROWS,
                 input_fingerprint=fingerprint)
     job.write_meta(meta)
@@ -243,8 +216,10 @@ def _counts(table: pa.Table) -> dict[str, Any]:
 # ---------------------------------------------------------------------------- running
 
 
-def _todo_dataset(job: JobDir, meta: dict[str, Any], todo: np.ndarray):
-    """The staged rows still to do, as a Ray Dataset of encoded rows."""
+def _todo_dataset(job: JobDir, meta: dict[str, Any], todo: np.ndarray, batch_size: int):
+    """The staged rows still to do, as a Ray Dataset of encoded rows in blocks of one engine
+    batch: each block is one task on a replica, so a replica's batches run side by side (up to
+    max_concurrent_batches) from the first rows on, and answers come back batch by batch."""
     import ray
     import ray.data
 
@@ -261,7 +236,8 @@ def _todo_dataset(job: JobDir, meta: dict[str, Any], todo: np.ndarray):
         return batch.filter(pa.array(mask)).select([STATE_COLUMN])
 
     ds = ray.data.read_parquet(files, columns=[ROW_ID, STATE_COLUMN], shuffle=None)
-    return ds.map_batches(select, batch_format="pyarrow", batch_size=None, zero_copy_batch=True)
+    ds = ds.map_batches(select, batch_format="pyarrow", batch_size=None, zero_copy_batch=True)
+    return ds.repartition(target_num_rows_per_block=max(1, batch_size))
 
 
 _TODO_CACHE: dict[str, np.ndarray] = {}
@@ -280,7 +256,7 @@ def _todo_mask(ref) -> np.ndarray:
 def _run_pass(job: JobDir, spec: JobSpec, meta: dict[str, Any], todo: np.ndarray, done: np.ndarray,
               progress: Progress) -> None:
     processor = build_job_processor(spec)
-    ds = _todo_dataset(job, meta, todo)
+    ds = _todo_dataset(job, meta, todo, processor.config.batch_size)
     out = processor(ds)
     committer = Committer(job, done, progress, spec.commit_rows, spec.commit_seconds)
     try:
@@ -392,13 +368,20 @@ def run_job(job: JobSpec | str | os.PathLike, *, overrides: list[str] | None = N
     for them). Ctrl-C stops cleanly: what was answered is committed and ``resume`` continues.
     """
     spec = _resolve_spec(job, overrides)
+    if report:
+        import importlib.util
+
+        if importlib.util.find_spec("matplotlib") is None:  # fail before the work, not after it
+            from llmbatch.errors import MissingDependencyError
+
+            raise MissingDependencyError("--report", "matplotlib")
     job_dir, meta = open_job(spec, force=force, allow_config_change=retry_errors)
     with job_dir.locked():
         job_dir.clean_temporaries()
         if not meta.get("staged"):
             meta = _stage(job_dir, spec, meta)
         else:
-            _check_prompt_fields(spec, meta["columns"])
+            check_prompt_fields(spec, meta["columns"])
         state = job_dir.state(meta["rows"])
         done = state.done.copy()
         if retry_errors:
@@ -436,7 +419,14 @@ def run_job(job: JobSpec | str | os.PathLike, *, overrides: list[str] | None = N
             return JobResult(job_dir.root, state_name, None, job_dir.errors_path, snap)
         from llmbatch.jobs.output import finish
 
-        stats = finish(job_dir, spec, meta, run_info, progress)
+        try:
+            stats = finish(job_dir, spec, meta, run_info, progress)
+        except KeyboardInterrupt:  # every row is committed; `resume` writes the output again
+            run_info["state"] = "stopped"
+            job_dir.write_meta(meta)
+            snap = progress.mark("stopped")
+            job_dir.log("stopped while writing the output; run `llmbatch resume` to write it")
+            return JobResult(job_dir.root, "stopped", None, job_dir.errors_path, snap)
         if report:
             stats["report"] = str(write_report(progress.timeline, job_dir.root / "report.png"))
             atomic_write_json(job_dir.stats_path, stats)
