@@ -23,7 +23,7 @@ def industry_request(row: dict) -> dict:
             {"role": "system", "content": SYSTEM_PROMPT},
             {"role": "user", "content": f"Which industry is the company '{row['Company']}' in?"},
         ],
-        "sampling_params": {"temperature": 0, "max_tokens": 8, "structured_outputs": {"choice": INDUSTRIES}},
+        "sampling_params": {"temperature": 0, "max_tokens": 16, "structured_outputs": {"choice": INDUSTRIES}},
     }
 
 
@@ -51,7 +51,8 @@ def run_demo(rows: int = 2000, out_dir: str = "demo-output", model: str = DEFAUL
             "user": "Which industry is the company '{Company}' in?",
             "choices": INDUSTRIES,
         },
-        "sampling_params": {"temperature": 0, "max_tokens": 8},
+        # room for the longest choice: constrained decoding may spell it in small tokens
+        "sampling_params": {"temperature": 0, "max_tokens": 16},
         "output": {"path": str(out / "industries.parquet"), "columns": ["Index", "Company", "industry"],
                    "rename": {"generated_text": "industry"}},
         "job_dir": str(out / "job"),
