@@ -214,17 +214,24 @@ class Progress:
         return self.snapshot()
 
 
-def write_report(timeline: list[tuple[float, int, int, int]], path: Path, title: str = "llmbatch throughput") -> Path:
-    """A PNG chart of rows/s and output tokens/s over the run (needs matplotlib)."""
-    try:
-        import matplotlib
+def check_report_dependencies() -> None:
+    """Raise :class:`MissingDependencyError` unless :func:`write_report` can run (call it before
+    the work, so that a missing matplotlib is said at once, not after the job)."""
+    import importlib.util
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
+    if importlib.util.find_spec("matplotlib") is None:
         from llmbatch.errors import MissingDependencyError
 
-        raise MissingDependencyError("--report", "matplotlib") from exc
+        raise MissingDependencyError("--report", "matplotlib")
+
+
+def write_report(timeline: list[tuple[float, int, int, int]], path: Path, title: str = "llmbatch throughput") -> Path:
+    """A PNG chart of rows/s and output tokens/s over the run (needs matplotlib)."""
+    check_report_dependencies()
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
     if len(timeline) < 2:
         timeline = list(timeline) + [timeline[-1]] if timeline else [(0, 0, 0, 0), (1, 0, 0, 0)]
     t0 = timeline[0][0]

@@ -105,8 +105,8 @@ def finish(job: JobDir, spec: JobSpec, meta: dict[str, Any], run_info: dict[str,
                             if s:
                                 totals["cached_tokens"] += int(s.get("cached_tokens") or 0)
                                 totals["deduplicated_rows"] += int(bool(s.get("deduped")))
-                                replicas[s.get("replica") or "?"] += 1
                                 name = s.get("replica") or "?"
+                                replicas[name] += 1
                                 if (s.get("ready_at") or 0) >= run_info["started_at"]:
                                     ready_at.append(s["ready_at"])
                                 restarts[name] = max(restarts.get(name, 0), int(s.get("restarts") or 0))

@@ -27,7 +27,7 @@ from llmbatch.errors import EngineStartError, JobError, LLMBatchError, RowError
 from llmbatch.jobs.prompts import check_prompt_fields
 from llmbatch.jobs.spec import JobSpec, config_hash, diff_fields, load_function, load_job, result_fields
 from llmbatch.jobs.store import FORMAT_VERSION, STAGE_ROWS, JobDir, atomic_write_json, input_fingerprint, same_input
-from llmbatch.progress import Progress, write_report
+from llmbatch.progress import Progress, check_report_dependencies, write_report
 from llmbatch.rows import ERROR_COLUMN, PRIVATE_PREFIX, ROW_ID, STATS, parse_error
 from llmbatch.stages.runner import STATE_COLUMN, decode_rows, rows_to_table
 
@@ -369,12 +369,7 @@ def run_job(job: JobSpec | str | os.PathLike, *, overrides: list[str] | None = N
     """
     spec = _resolve_spec(job, overrides)
     if report:
-        import importlib.util
-
-        if importlib.util.find_spec("matplotlib") is None:  # fail before the work, not after it
-            from llmbatch.errors import MissingDependencyError
-
-            raise MissingDependencyError("--report", "matplotlib")
+        check_report_dependencies()
     job_dir, meta = open_job(spec, force=force, allow_config_change=retry_errors)
     with job_dir.locked():
         job_dir.clean_temporaries()
