@@ -14,7 +14,7 @@ def test_default_stages_run_inside_the_engine_replicas():
     p = build_processor(vLLMEngineProcessorConfig(model_source=MODEL), preprocess=lambda r: r, postprocess=lambda r: r)
     ops = p.operators({"CPU": 2.0})
     assert names(ops) == ["preprocess+chat_template+tokenize+engine+detokenize+postprocess"]
-    assert ops[0].remote_args["num_cpus"] == 1.0
+    assert ops[0].remote_args["num_cpus"] == 0.0  # a 2-CPU machine keeps its CPUs for the input plan
     assert ops[0].max_concurrent_calls == 64 and ops[0].min_workers == ops[0].max_workers == 1
 
 
@@ -34,9 +34,11 @@ def test_fusion_can_be_switched_off():
 
 
 def test_engine_never_takes_the_readers_core_on_a_small_machine():
-    assert engine_cpu_share(2.0, 1, 0.0) == 1.0
-    assert engine_cpu_share(2.0, 2, 0.0) == 0.5
-    assert engine_cpu_share(2.0, 1, 0.4) == 0.6
+    # a replica reserves a CPU only where two whole CPUs stay free for the input plan's tasks
+    assert engine_cpu_share(1.0, 1, 0.0) == 0.0
+    assert engine_cpu_share(2.0, 1, 0.0) == 0.0
+    assert engine_cpu_share(3.0, 1, 0.0) == 1.0
+    assert engine_cpu_share(4.0, 2, 0.5) == 0.0
     assert engine_cpu_share(64.0, 8, 1.6) == 1.0
 
 

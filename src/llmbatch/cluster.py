@@ -21,7 +21,8 @@ def ensure_ray(**init_kwargs) -> None:
 
     if ray.is_initialized():
         return
-    kwargs = {"ignore_reinit_error": True, "include_dashboard": False, "logging_level": logging.WARNING}
+    # Ray's start-up notices (token authentication, the local instance) stay in its log files
+    kwargs = {"ignore_reinit_error": True, "include_dashboard": False, "logging_level": logging.ERROR}
     kwargs.update(init_kwargs)
     if os.environ.get("RAY_ADDRESS"):
         kwargs.pop("num_cpus", None)

@@ -151,6 +151,7 @@ class ProcessorConfig(_Config):
     batch_size: int = Field(32, ge=1, description="Rows per batch handed to each stage. Larger batches amortise overhead; llmbatch streams rows out of a batch as they finish, so large batches do not hold rows back.")
     concurrency: Concurrency = Field(1, description="Number of engine replicas (an int, a fixed pool) or a (min, max) autoscaling range. CPU stages autoscale from 1 up to the same number.")
     accelerator_type: Optional[str] = Field(None, description="Ray accelerator type the engine replicas need (e.g. 'L4', 'H100'). Fails at once if no node has it.")
+    stall_timeout_s: Optional[float] = Field(300.0, ge=0, description="llmbatch: fail the run with a StallError (what waits, for what, what holds it, the fix) when no operator made progress for this long while no engine replica was starting or working. 0 or None: never.")
 
     @field_validator("concurrency")
     @classmethod

@@ -73,5 +73,10 @@ class EngineDiedError(LLMBatchError):
     """The engine died again and again while running a row; the row gave up."""
 
 
+class StallError(LLMBatchError):
+    """A run made no progress for ``stall_timeout_s``: says what waits, for what, what holds
+    it, and what to do."""
+
+
 class JobError(LLMBatchError):
     """A job cannot run or resume as asked (changed input, locked job dir, bad job file)."""

@@ -12,7 +12,6 @@ of workers, no extra hops); the engine stage is a pool of ``concurrency`` replic
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,15 +31,15 @@ logger = logging.getLogger(__name__)
 
 UserFn = Callable[[dict[str, Any]], dict[str, Any]]
 
-#: CPUs a CPU-stage worker reserves unless its stage config says otherwise: small, so stage
-#: workers never take the cores the engine replicas and the reader need.
-DEFAULT_STAGE_NUM_CPUS = 0.1
-#: Ray Data block size for the pipeline: small, so rows that leave the engine as they finish
-#: travel on at once instead of waiting for a full 128 MiB block.
-STREAM_BLOCK_BYTES = 64 * 1024
-#: How long replicas may take to start (model download and load included).
-ENGINE_START_TIMEOUT_S = 3600
-
+#: CPUs a CPU-stage worker reserves unless its stage config says otherwise: none. Stage
+#: workers are light; a reservation would only take the whole CPU that a read, shuffle or
+#: write task of the input plan needs (a 1-CPU cluster cannot run a 1-CPU task beside a
+#: 0.1-CPU actor).
+DEFAULT_STAGE_NUM_CPUS = 0.0
+#: Whole CPUs kept free beside the engine replicas on a cluster without GPUs: one for a task of
+#: the input plan that may hold its CPU while it waits (a read that a ``limit`` no longer
+#: consumes), one for the task that must run next (a shuffle, a write).
+CPU_HEADROOM = 2.0
 
 @dataclass
 class Operator:
@@ -198,10 +197,13 @@ class Processor:
     # -- running -----------------------------------------------------------------------------
 
     def __call__(self, dataset):
+        import uuid
+
         import ray
         import ray.data
 
         from llmbatch.cluster import check_accelerator, ensure_ray
+        from llmbatch.watchdog import watch
 
         ensure_ray()
         cluster = ray.cluster_resources()
@@ -209,15 +211,27 @@ class Processor:
             check_accelerator(self.config.accelerator_type, cluster)
         _check_input_columns(dataset)
         ds = ray.data.Dataset.copy(dataset, _deep_copy=True)
-        ds.context.target_max_block_size = STREAM_BLOCK_BYTES
-        ds.context.raise_original_map_exception = True  # a RowError reaches the caller as itself
-        # Start every replica before rows flow: all of them share the work from the first
-        # batch on, and an engine that cannot start fails the run at once with its reason.
-        ds.context.wait_for_min_actors_s = max(ds.context.wait_for_min_actors_s, ENGINE_START_TIMEOUT_S)
+        ctx = ds.context
+        ctx.raise_original_map_exception = True  # a RowError reaches the caller as itself
+        # Replicas start while rows are read; the watchdog (not a blocking wait in Ray Data's
+        # operator start-up) tells a replica that is loading its model from one that can
+        # never be placed, and fails the run with the reason instead of waiting.
+        ctx.wait_for_min_actors_s = -1
+        ctx.execution_no_progress_timeout_s = -1  # ours (below) knows a busy engine from a stall
+        run_id = uuid.uuid4().hex
+        watch(ctx, run_id, self.config.stall_timeout_s)
         ops = self.operators(cluster)
         task_type = getattr(self.config, "task_type", "generate")
         include_error = bool(getattr(self.config, "should_continue_on_error", False))
+        rows_per_block = None
         for i, op in enumerate(ops):
+            if op.batch_size != rows_per_block:
+                # One batch per block: each block is one task, so a replica works on up to
+                # max_concurrent_batches batches side by side from the first rows on, and a
+                # batch's answers travel on as soon as that batch is done, whatever block
+                # sizes the input plan produced (one block of everything, or many tiny ones).
+                ds = ds.repartition(target_num_rows_per_block=op.batch_size)
+                rows_per_block = op.batch_size
             sink = i == len(ops) - 1
             remote = dict(op.remote_args)
             remote_fn = remote.pop("ray_remote_args_fn", None)
@@ -228,7 +242,8 @@ class Processor:
             compute = ray.data.ActorPoolStrategy(max_tasks_in_flight_per_actor=op.max_tasks_in_flight, **pool)
             kwargs = dict(
                 fn_constructor_kwargs=dict(stages=op.stages, sink=sink, sink_rows=self.encoded_output, task_type=task_type,
-                                           include_error_column=include_error, keep_private=self.keep_private),
+                                           include_error_column=include_error, keep_private=self.keep_private,
+                                           run_id=run_id, role=op.name),
                 batch_size=op.batch_size,
                 batch_format="pyarrow",
                 zero_copy_batch=True,
@@ -244,20 +259,20 @@ class Processor:
 def engine_cpu_share(cluster_cpus: float, replicas: int, cpu_reserved: float) -> float:
     """CPUs each engine replica reserves on a cluster without GPUs.
 
-    One each when there is room; otherwise an equal share of what is left after one CPU for
-    the reader and what the CPU stages reserve, so that no operator waits forever for a core
-    (the engine uses every core it is given by the OS either way: this is bookkeeping).
+    One each when the cluster has room for the replicas, what the CPU stages reserve and
+    :data:`CPU_HEADROOM` whole CPUs beside them; otherwise none. The reservation is Ray's
+    bookkeeping only (vLLM on CPU uses the cores the OS gives it either way), and on a small
+    cluster any reservation would leave a 1-CPU task of the input plan (a read, a shuffle, a
+    write, a checkpoint filter) waiting forever.
     """
-    room = cluster_cpus - 1.0 - cpu_reserved
-    if room >= replicas:
+    if cluster_cpus - cpu_reserved >= replicas + CPU_HEADROOM:
         return 1.0
-    share = max(room, 0.01 * replicas) / replicas
-    return max(0.01, math.floor(share * 100) / 100)
+    return 0.0
 
 
 def _check_input_columns(dataset) -> None:
+    from llmbatch.codec import STATE_COLUMN
     from llmbatch.rows import PRIVATE_PREFIX, ROW_ID
-    from llmbatch.stages.runner import STATE_COLUMN
 
     try:
         names = dataset.columns(fetch_if_missing=False) or []
@@ -322,7 +337,7 @@ def build_vllm_processor(config: vLLMEngineProcessorConfig, *, preprocess: UserF
     from llmbatch.stages.chat_template import ChatTemplateStage
     from llmbatch.stages.detokenize import DetokenizeStage
     from llmbatch.stages.engine import EngineStage
-    from llmbatch.stages.multimodal import PrepareMultimodalStage
+    from llmbatch.stages.multimodal import MediaPolicy, PrepareMultimodalStage
     from llmbatch.stages.tokenize import TokenizeStage
     from llmbatch.stages.user_fns import PostprocessStage, PreprocessStage
 
@@ -334,8 +349,10 @@ def build_vllm_processor(config: vLLMEngineProcessorConfig, *, preprocess: UserF
         pre.append(StageSpec(PreprocessStage(preprocess, keep_going), None, preprocess_map_kwargs))
     mm = config.prepare_multimodal_stage
     if mm.enabled:
+        policy = MediaPolicy(config.engine_kwargs.get("allowed_local_media_path"),
+                             config.engine_kwargs.get("allowed_media_domains"))
         pre.append(StageSpec(PrepareMultimodalStage(config.model_source, mm.model_config_kwargs,
-                                                    mm.chat_template_content_format, keep_going), mm))
+                                                    mm.chat_template_content_format, keep_going, policy), mm))
     ct = config.chat_template_stage
     if ct.enabled:
         pre.append(StageSpec(ChatTemplateStage(

@@ -37,8 +37,9 @@ from llmbatch.stages.base import Stage
 
 logger = logging.getLogger(__name__)
 
-#: Answers of recent deterministic requests kept per replica for dedup across batches.
-RESULT_CACHE_SIZE = 20_000
+#: Bytes of recent deterministic answers a replica keeps for dedup across batches (keys are
+#: 16-byte digests of the request, so long prompts cost nothing here).
+RESULT_CACHE_BYTES = 64 << 20
 
 
 class EngineStage(Stage):
@@ -64,9 +65,14 @@ class EngineStage(Stage):
         self.ready_at = 0.0
         self._semaphore: asyncio.Semaphore | None = None
         self._inflight: dict[Any, asyncio.Future] = {}
-        self._results: collections.OrderedDict[Any, dict[str, Any]] = collections.OrderedDict()
+        self._results: collections.OrderedDict[Any, tuple[dict[str, Any], int]] = collections.OrderedDict()
+        self._results_bytes = 0
+        self.result_cache_bytes = RESULT_CACHE_BYTES
         self._generation = 0
         self._restart_lock: asyncio.Lock | None = None
+        #: requests inside the engine now, and answered so far (the replica's heartbeat)
+        self.in_flight = 0
+        self.done = 0
 
     async def start(self) -> None:
         self.replica = f"{os.uname().nodename}:{os.getpid()}"  # the worker's, not the driver's
@@ -98,9 +104,17 @@ class EngineStage(Stage):
 
     async def _run_once(self, request: Request) -> dict[str, Any]:
         if self._semaphore is None:
-            return await self.engine.run(request)
+            return await self._counted(request)
         async with self._semaphore:
+            return await self._counted(request)
+
+    async def _counted(self, request: Request) -> dict[str, Any]:
+        self.in_flight += 1
+        try:
             return await self.engine.run(request)
+        finally:
+            self.in_flight -= 1
+            self.done += 1
 
     async def _run(self, request: Request) -> dict[str, Any]:
         """Run a request, restarting the engine and retrying when it dies."""
@@ -127,7 +141,7 @@ class EngineStage(Stage):
             return await self._run(request), False
         if key in self._results:
             self._results.move_to_end(key)
-            return self._results[key], True
+            return self._results[key][0], True
         if key in self._inflight:
             return await asyncio.shield(self._inflight[key]), True
         future = asyncio.get_running_loop().create_future()
@@ -141,10 +155,19 @@ class EngineStage(Stage):
         finally:
             self._inflight.pop(key, None)
         future.set_result(result)
-        self._results[key] = result
-        if len(self._results) > RESULT_CACHE_SIZE:
-            self._results.popitem(last=False)
+        self._remember(key, result)
         return result, False
+
+    def _remember(self, key: Any, result: dict[str, Any]) -> None:
+        """Keep ``result`` for later identical requests, within :attr:`result_cache_bytes`."""
+        size = result_size(result)
+        if size > self.result_cache_bytes // 4:
+            return
+        self._results[key] = (result, size)
+        self._results_bytes += size
+        while self._results_bytes > self.result_cache_bytes and self._results:
+            _, (_, dropped) = self._results.popitem(last=False)
+            self._results_bytes -= dropped
 
     async def _process(self, row: Row, request: Request, batch_uuid: str) -> Row:
         try:
@@ -164,7 +187,7 @@ class EngineStage(Stage):
             else:
                 if self.structured_output_errors == "warn":
                     result["structured_output_error"] = ""
-        cached = result.pop("num_cached_tokens", 0)
+        cached = result.pop("num_cached_tokens", None)
         row.update(result)
         row["batch_uuid"] = batch_uuid
         row[ERROR_COLUMN] = ""
@@ -213,6 +236,19 @@ class EngineStage(Stage):
                 task.cancel()
         if buffer:
             yield buffer
+
+
+def result_size(result: dict[str, Any]) -> int:
+    """About how many bytes an answer takes in memory (text, token ids, logprobs)."""
+    size = 256
+    for value in result.values():
+        if isinstance(value, str):
+            size += 49 + len(value)
+        elif isinstance(value, (list, tuple)):
+            size += 64 + 8 * len(value)
+            if value and isinstance(value[0], (list, dict)):
+                size += 120 * sum(len(v) if isinstance(v, (list, dict)) else 1 for v in value)
+    return size
 
 
 def check_structured(spec: dict[str, Any], text: str, finish_reason: str) -> None:

@@ -5,107 +5,26 @@ asyncio loop on a thread of its own (the engine's home), runs its stages in orde
 batch, and yields rows as soon as the stages let go of them, so Ray Data moves them on while
 the rest of the batch is still in the engine.
 
-Between operators a row travels as one pickled value in :data:`STATE_COLUMN`, so that rows of
-any shape (per-row sampling params, message lists, images) pass through Arrow untouched. The
-first operator reads the user's columns; the last one turns rows into typed Arrow columns.
+Between operators a row travels encoded (:mod:`llmbatch.codec`); the first operator reads the
+user's columns, the last one turns rows into typed Arrow columns.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import pickle
 import threading
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pyarrow as pa
 
-from llmbatch.rows import (
-    ERROR_COLUMN,
-    GENERATE_OUTPUT_COLUMNS,
-    POOLING_OUTPUT_COLUMNS,
-    PRIVATE_PREFIX,
-    Row,
-    is_error,
-)
+from llmbatch.codec import decode_rows, empty_engine_output, encode_rows, rows_to_table
+from llmbatch.rows import ERROR_COLUMN, PRIVATE_PREFIX, Row, is_error
 from llmbatch.stages.base import Stage
 from llmbatch.stages.user_fns import PostprocessStage, default_output
 
 logger = logging.getLogger(__name__)
-
-STATE_COLUMN = "__llmbatch_state"
-
-#: Arrow types of the engine's output columns, so that every block agrees on them.
-OUTPUT_TYPES: dict[str, pa.DataType] = {
-    "generated_text": pa.string(),
-    "generated_tokens": pa.list_(pa.int64()),
-    "num_input_tokens": pa.int64(),
-    "num_generated_tokens": pa.int64(),
-    "prompt": pa.string(),
-    "finish_reason": pa.string(),
-    "time_taken_llm": pa.float64(),
-    "request_id": pa.int64(),
-    "batch_uuid": pa.string(),
-    "embeddings": pa.list_(pa.float32()),
-    ERROR_COLUMN: pa.string(),
-}
-
-
-def empty_engine_output(task_type: str, row: Row) -> dict[str, Any]:
-    """Engine columns of a row that never got an answer (an error row)."""
-    columns = GENERATE_OUTPUT_COLUMNS if task_type == "generate" else POOLING_OUTPUT_COLUMNS
-    defaults = {
-        "generated_text": "", "generated_tokens": [], "num_input_tokens": 0, "num_generated_tokens": 0,
-        "prompt": row.get("prompt") if isinstance(row.get("prompt"), str) else "",
-        "finish_reason": "error", "time_taken_llm": 0.0, "request_id": -1, "batch_uuid": "", "embeddings": None,
-    }
-    return {c: defaults[c] for c in columns}
-
-
-def _json_text(values: list[Any]) -> pa.Array:
-    return pa.array([None if v is None else json.dumps(v, default=str) for v in values], type=pa.string())
-
-
-def _column(name: str, values: list[Any], json_columns: set[str] | None = None) -> pa.Array:
-    if json_columns is not None and name in json_columns:
-        return _json_text(values)
-    known = OUTPUT_TYPES.get(name)
-    if known is not None:
-        try:
-            return pa.array(values, type=known)
-        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError, OverflowError):
-            pass
-    try:
-        return pa.array(values)
-    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, TypeError, ValueError, OverflowError):
-        logger.warning("column %r holds values of mixed types; it is written as JSON text", name)
-        if json_columns is not None:
-            json_columns.add(name)
-        return _json_text(values)
-
-
-def rows_to_table(rows: list[dict[str, Any]], json_columns: set[str] | None = None) -> pa.Table:
-    """Typed Arrow columns from dict rows (keys may differ between rows).
-
-    A column whose values Arrow cannot hold in one type becomes JSON text; pass the same
-    ``json_columns`` set for every batch of a stream so that such a column stays text for the
-    rest of it (blocks of one dataset must agree on types)."""
-    names: dict[str, None] = {}
-    for row in rows:
-        names.update(dict.fromkeys(row))
-    return pa.table({name: _column(name, [row.get(name) for row in rows], json_columns) for name in names})
-
-
-def encode_rows(rows: list[Row]) -> pa.Table:
-    return pa.table({STATE_COLUMN: pa.array([pickle.dumps(r, protocol=5) for r in rows], type=pa.binary())})
-
-
-def decode_rows(batch: pa.Table) -> list[Row]:
-    if STATE_COLUMN in batch.column_names:
-        return [pickle.loads(v) for v in batch.column(STATE_COLUMN).to_pylist()]
-    return batch.to_pylist()
 
 
 class _LoopThread:
@@ -144,7 +63,7 @@ class StageRunner:
 
     def __init__(self, stages: list[Stage], *, sink: bool = False, sink_rows: bool = False,
                  task_type: str = "generate", include_error_column: bool = True,
-                 keep_private: tuple[str, ...] = ()):
+                 keep_private: tuple[str, ...] = (), run_id: str | None = None, role: str = ""):
         self.stages = stages
         self.sink = sink
         self.sink_rows = sink_rows
@@ -152,9 +71,24 @@ class StageRunner:
         self.task_type = task_type
         self.include_error_column = include_error_column
         self.keep_private = keep_private
+        self._started = False
+        self._heartbeat = None
+        if run_id is not None:
+            from llmbatch.watchdog import Heartbeat
+
+            self._heartbeat = Heartbeat(run_id, role, self._probe).start()
         self._loop = _LoopThread()
         for stage in stages:
             self._loop.run(stage.start())
+        self._started = True
+        if self._heartbeat is not None:
+            self._heartbeat.beat()
+
+    def _probe(self) -> dict[str, Any]:
+        """What the heartbeat says: starting, and requests inside this worker's engine."""
+        return {"state": "ready" if self._started else "starting",
+                "in_flight": sum(getattr(s, "in_flight", 0) for s in self.stages),
+                "done": sum(getattr(s, "done", 0) for s in self.stages)}
 
     async def _chain(self, rows: list[Row], index: int) -> AsyncIterator[list[Row]]:
         if index == len(self.stages):
@@ -174,7 +108,8 @@ class StageRunner:
             return out
         if any(isinstance(s, PostprocessStage) for s in self.stages):
             out = {k: v for k, v in row.items() if not k.startswith(PRIVATE_PREFIX)}
-            if not self.include_error_column:
+            # a job's driver (sink_rows) reads every row's error column: it is the row's state
+            if not self.include_error_column and not self.sink_rows:
                 out.pop(ERROR_COLUMN, None)
         else:
             out = default_output(row)
@@ -195,6 +130,9 @@ class StageRunner:
                 yield encode_rows(chunk)
 
     def __del__(self):
+        heartbeat = getattr(self, "_heartbeat", None)
+        if heartbeat is not None:
+            heartbeat.stop()
         loop = getattr(self, "_loop", None)
         if loop is None:
             return

@@ -1,0 +1,131 @@
+"""The row codec: how rows travel between operators and how they rest on disk.
+
+Two forms, one module:
+
+- **In flight** (between the processor's Ray Data operators): a row of any shape (per-row
+  sampling params, message lists, images) travels as one pickled value in
+  :data:`STATE_COLUMN`, so it passes through Arrow untouched. This form lives only in Ray's
+  object store, never on disk.
+- **At rest** (a job's staged input and committed parts): typed Arrow columns. A column whose
+  values Arrow cannot hold in one type is stored as JSON text and its field is marked
+  (:data:`JSON_FIELD_KEY`), so reading it back gives the same values. Nothing at rest is a
+  pickle: a job directory holds data, never code.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import pickle
+from typing import Any
+
+import pyarrow as pa
+
+from llmbatch.rows import ERROR_COLUMN, GENERATE_OUTPUT_COLUMNS, POOLING_OUTPUT_COLUMNS, Row
+
+logger = logging.getLogger(__name__)
+
+STATE_COLUMN = "__llmbatch_state"
+#: Field metadata that marks a column stored as JSON text.
+JSON_FIELD_KEY = b"llmbatch.json"
+
+#: Arrow types of the engine's output columns, so that every block agrees on them.
+OUTPUT_TYPES: dict[str, pa.DataType] = {
+    "generated_text": pa.string(),
+    "generated_tokens": pa.list_(pa.int64()),
+    "num_input_tokens": pa.int64(),
+    "num_generated_tokens": pa.int64(),
+    "prompt": pa.string(),
+    "finish_reason": pa.string(),
+    "time_taken_llm": pa.float64(),
+    "request_id": pa.int64(),
+    "batch_uuid": pa.string(),
+    "embeddings": pa.list_(pa.float32()),
+    ERROR_COLUMN: pa.string(),
+}
+
+
+def empty_engine_output(task_type: str, row: Row) -> dict[str, Any]:
+    """Engine columns of a row that never got an answer (an error row)."""
+    columns = GENERATE_OUTPUT_COLUMNS if task_type == "generate" else POOLING_OUTPUT_COLUMNS
+    defaults = {
+        "generated_text": "", "generated_tokens": [], "num_input_tokens": 0, "num_generated_tokens": 0,
+        "prompt": row.get("prompt") if isinstance(row.get("prompt"), str) else "",
+        "finish_reason": "error", "time_taken_llm": 0.0, "request_id": -1, "batch_uuid": "", "embeddings": None,
+    }
+    return {c: defaults[c] for c in columns}
+
+
+# ---------------------------------------------------------------------------- in flight
+
+
+def encode_rows(rows: list[Row]) -> pa.Table:
+    """Rows as one pickled value each (between operators only; never written to disk)."""
+    return pa.table({STATE_COLUMN: pa.array([pickle.dumps(r, protocol=5) for r in rows], type=pa.binary())})
+
+
+def decode_rows(batch: pa.Table) -> list[Row]:
+    """The rows of an operator's input: encoded rows, or the user's plain columns."""
+    if STATE_COLUMN in batch.column_names:
+        return [pickle.loads(v) for v in batch.column(STATE_COLUMN).to_pylist()]
+    return table_to_rows(batch)
+
+
+# ---------------------------------------------------------------------------- at rest
+
+
+def _json_text(values: list[Any]) -> pa.Array:
+    return pa.array([None if v is None else json.dumps(v, default=str) for v in values], type=pa.string())
+
+
+def _column(name: str, values: list[Any], json_columns: set[str] | None) -> tuple[pa.Array, bool]:
+    """(array, stored as JSON text)."""
+    if json_columns is not None and name in json_columns:
+        return _json_text(values), True
+    known = OUTPUT_TYPES.get(name)
+    if known is not None:
+        try:
+            return pa.array(values, type=known), False
+        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError, OverflowError):
+            pass
+    try:
+        return pa.array(values), False
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, TypeError, ValueError, OverflowError):
+        logger.debug("column %r holds values of mixed types; it is stored as JSON text", name)
+        if json_columns is not None:
+            json_columns.add(name)
+        return _json_text(values), True
+
+
+def rows_to_table(rows: list[dict[str, Any]], json_columns: set[str] | None = None) -> pa.Table:
+    """Typed Arrow columns from dict rows (keys may differ between rows).
+
+    A column whose values Arrow cannot hold in one type becomes JSON text, marked in its
+    field's metadata; pass the same ``json_columns`` set for every batch of a stream so that
+    such a column stays text for the rest of it (blocks of one dataset must agree on types).
+    """
+    names: dict[str, None] = {}
+    for row in rows:
+        names.update(dict.fromkeys(row))
+    arrays, fields = [], []
+    for name in names:
+        array, as_json = _column(name, [row.get(name) for row in rows], json_columns)
+        arrays.append(array)
+        fields.append(pa.field(name, array.type, metadata={JSON_FIELD_KEY: b"1"} if as_json else None))
+    return pa.Table.from_arrays(arrays, schema=pa.schema(fields))
+
+
+def json_columns_of(schema: pa.Schema) -> list[str]:
+    """Columns of ``schema`` stored as JSON text by :func:`rows_to_table`."""
+    return [f.name for f in schema if f.metadata and f.metadata.get(JSON_FIELD_KEY)]
+
+
+def table_to_rows(table: pa.Table) -> list[Row]:
+    """Rows back from :func:`rows_to_table` (JSON text columns decoded)."""
+    rows = table.to_pylist()
+    marked = json_columns_of(table.schema)
+    for row in rows:
+        for name in marked:
+            if row.get(name) is not None:
+                row[name] = json.loads(row[name])
+    return rows

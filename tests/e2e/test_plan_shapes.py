@@ -1,0 +1,73 @@
+"""Every dataset plan users write in front of a processor runs, on 2 CPUs and on 1 CPU.
+
+``plan_shapes.py`` runs each shape (read_csv/read_json/read_parquet/from_items/from_pandas
+with and without override_num_blocks, then limit, repartition, filter, map, map_batches,
+random_shuffle, union, then the processor, then materialize, take_all, iter_batches,
+iter_rows, write_parquet, show, and Ray Data checkpoints) on the real engine, in a Ray of its
+own with that many CPUs. The two runs go side by side; each shape must give every row once.
+
+One shape cannot run on 1 CPU whatever the processor does: Ray Data's checkpoint filter is an
+actor that holds a whole CPU, so its read task can never start (plain Ray Data, without
+llmbatch, hangs the same way). There the run must fail with a StallError that says so, in
+time, instead of hanging.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+HERE = Path(__file__).parent
+STALL_S = 45
+CANNOT_RUN = {1: {"checkpoint_rerun"}}
+
+
+@pytest.fixture(scope="module")
+def results(smollm2, tmp_path_factory):
+    procs = {}
+    for cpus in (2, 1):
+        work = tmp_path_factory.mktemp(f"shapes{cpus}")
+        out = work / "result.json"
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        cmd = [sys.executable, str(HERE / "plan_shapes.py"), "--cpus", str(cpus), "--out", str(out),
+               "--work", str(work), "--stall-timeout", str(STALL_S)]
+        procs[cpus] = (subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env), out)
+    found = {}
+    for cpus, (proc, out) in procs.items():
+        log, _ = proc.communicate(timeout=1800)
+        assert proc.returncode == 0, log[-4000:]
+        found[cpus] = json.loads(out.read_text())
+    return found
+
+
+def test_there_are_at_least_ten_shapes():
+    sys.path.insert(0, str(HERE))
+    try:
+        import plan_shapes
+    finally:
+        sys.path.remove(str(HERE))
+    assert len(plan_shapes.SHAPES) >= 10
+
+
+@pytest.mark.parametrize("cpus", [2, 1])
+def test_every_shape_answers_every_row_once(results, cpus):
+    shapes = results[cpus]
+    assert len(shapes) >= 10
+    for name, r in shapes.items():
+        if name in CANNOT_RUN.get(cpus, ()):
+            continue
+        assert "error" not in r, f"{name} on {cpus} CPU: {r.get('error')}\n{r.get('trace', '')}"
+        assert r["got"] == r["want"], f"{name} on {cpus} CPU: rows lost or repeated"
+
+
+def test_a_plan_ray_data_cannot_run_fails_with_the_reason_instead_of_hanging(results):
+    r = results[1]["checkpoint_rerun"]
+    assert "StallError" in r.get("error", ""), r
+    assert "CheckpointFilter" in r["error"] and "1 CPU" in r["error"]
+    assert r["seconds"] < 600
