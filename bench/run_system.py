@@ -161,7 +161,8 @@ def run_llmbatch_job(rows, model_path, args) -> dict:
     table = pq.read_table(result.output_path)
     stats = result.stats
     steady = stats.get("steady_s") or end - t0
-    return {"rows": table.num_rows, "output_tokens": stats["output_tokens"], "input_tokens": stats["input_tokens"],
+    return {"rows": table.num_rows, "output_tokens": stats["delivered_tokens"],
+            "generated_tokens": stats["generated_tokens"], "input_tokens": stats["input_tokens"],
             "wall_s": end - t0, "steady_s": steady, "first_result_s": end - t0 - steady,
             "texts": dict(zip(table.column("id").to_pylist(), table.column("generated_text").to_pylist())),
             "dedup_ratio": stats["dedup_ratio"], "prefix_cache_hit_rate": stats["prefix_cache_hit_rate"]}

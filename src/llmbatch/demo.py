@@ -78,13 +78,15 @@ def run_demo(rows: int = 2000, out_dir: str = "demo-output", model: str = DEFAUL
         "errors": stats["rows_error"],
         "wall_s": round(wall, 1),
         "rows_per_s": stats["rows_per_s"],
-        "output_tokens_per_s": stats["output_tokens_per_s"],
-        "engine_output_tokens_per_s": stats.get("steady_output_tokens_per_s"),
+        "generated_tokens_per_s": stats["generated_tokens_per_s"],
+        "delivered_tokens_per_s": stats["delivered_tokens_per_s"],
+        "steady_generated_tokens_per_s": stats.get("steady_generated_tokens_per_s"),
         "deduplicated_rows": stats.get("deduplicated_rows", 0),
     }
     console.print(f"results: [bold]{summary['output']}[/bold] ({summary['rows']:,} rows, {summary['errors']} errors)")
     console.print(
-        f"throughput: {summary['rows_per_s']:.1f} rows/s, {summary['output_tokens_per_s']:.1f} output tokens/s "
+        f"throughput: {summary['rows_per_s']:.1f} rows/s, {summary['generated_tokens_per_s']:.1f} tokens/s generated "
+        f"by the engine, {summary['delivered_tokens_per_s']:.1f} tokens/s delivered (answers copied by dedup included) "
         f"over {summary['wall_s']} s including engine start; job directory {spec.job_dir}"
     )
     return summary

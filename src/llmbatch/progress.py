@@ -49,13 +49,14 @@ class Progress:
         self.ok = 0
         self.errors = 0
         self.in_tokens = 0
-        self.out_tokens = 0
+        self.generated_tokens = 0   # what the engine produced
+        self.delivered_tokens = 0   # what the output holds (answers copied by dedup included)
         self.cached_tokens = 0
         self.deduped = 0
         self.error_types: collections.Counter[str] = collections.Counter()
         self.replicas: collections.Counter[str] = collections.Counter()
-        self.timeline: list[tuple[float, int, int, int]] = []  # (t, rows, in_tokens, out_tokens)
-        self._recent: collections.deque[tuple[float, int, int, int, dict[str, int]]] = collections.deque()
+        self.timeline: list[tuple[float, int, int, int]] = []  # (t, rows, in_tokens, generated_tokens)
+        self._recent: collections.deque[tuple[float, int, int, int, int, dict[str, int]]] = collections.deque()
         self.state = "running"
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -71,8 +72,9 @@ class Progress:
         if self.first_row_at is None:
             self.first_row_at = time.time()
 
-    def add(self, ok: int, errors: int, in_tokens: int, out_tokens: int, cached_tokens: int = 0,
-            deduped: int = 0, error_types: dict[str, int] | None = None, replicas: dict[str, int] | None = None) -> None:
+    def add(self, ok: int, errors: int, in_tokens: int, generated_tokens: int, delivered_tokens: int = 0,
+            cached_tokens: int = 0, deduped: int = 0, error_types: dict[str, int] | None = None,
+            replicas: dict[str, int] | None = None) -> None:
         now = time.time()
         with self._lock:
             if self.first_row_at is None:
@@ -80,12 +82,13 @@ class Progress:
             self.ok += ok
             self.errors += errors
             self.in_tokens += in_tokens
-            self.out_tokens += out_tokens
+            self.generated_tokens += generated_tokens
+            self.delivered_tokens += delivered_tokens
             self.cached_tokens += cached_tokens
             self.deduped += deduped
             self.error_types.update(error_types or {})
             self.replicas.update(replicas or {})
-            self._recent.append((now, ok + errors, in_tokens, out_tokens, dict(replicas or {})))
+            self._recent.append((now, ok + errors, in_tokens, generated_tokens, delivered_tokens, dict(replicas or {})))
 
     @property
     def done(self) -> int:
@@ -99,10 +102,11 @@ class Progress:
             span = max(1e-6, min(WINDOW_S, now - (self.first_row_at or now)) or 1e-6)
             recent_rows = sum(r[1] for r in self._recent)
             recent_in = sum(r[2] for r in self._recent)
-            recent_out = sum(r[3] for r in self._recent)
+            recent_gen = sum(r[3] for r in self._recent)
+            recent_del = sum(r[4] for r in self._recent)
             per_replica: collections.Counter[str] = collections.Counter()
             for r in self._recent:
-                per_replica.update(r[4])
+                per_replica.update(r[5])
             elapsed = now - self.started
             rows_per_s = recent_rows / span if self.first_row_at else 0.0
             remaining = self.total - self.done
@@ -114,11 +118,12 @@ class Progress:
                 "rows_ok": self.done_before - self.errors_before + self.ok,
                 "rows_error": self.errors_before + self.errors,
                 "this_run": {"ok": self.ok, "errors": self.errors, "input_tokens": self.in_tokens,
-                             "output_tokens": self.out_tokens, "cached_tokens": self.cached_tokens,
-                             "deduplicated_rows": self.deduped},
+                             "generated_tokens": self.generated_tokens, "delivered_tokens": self.delivered_tokens,
+                             "cached_tokens": self.cached_tokens, "deduplicated_rows": self.deduped},
                 "rows_per_s": round(rows_per_s, 3),
                 "input_tokens_per_s": round(recent_in / span, 1) if self.first_row_at else 0.0,
-                "output_tokens_per_s": round(recent_out / span, 1) if self.first_row_at else 0.0,
+                "generated_tokens_per_s": round(recent_gen / span, 1) if self.first_row_at else 0.0,
+                "delivered_tokens_per_s": round(recent_del / span, 1) if self.first_row_at else 0.0,
                 "elapsed_s": round(elapsed, 1),
                 "eta_s": None if eta is None else round(eta, 1),
                 "error_types": dict(self.error_types),
@@ -135,7 +140,7 @@ class Progress:
                     f"engine replicas are loading the model ({fmt_duration(snap['elapsed_s'])})")
         return (f"[{self.label}] {snap['rows_done']:,}/{snap['rows_total']:,} rows ({pct:.1f}%) | "
                 f"{snap['rows_per_s']:.1f} rows/s | in {snap['input_tokens_per_s']:.0f} tok/s | "
-                f"out {snap['output_tokens_per_s']:.0f} tok/s | errors {snap['rows_error']:,} | "
+                f"out {_out_rates(snap)} | errors {snap['rows_error']:,} | "
                 f"ETA {fmt_duration(snap['eta_s'])} | replicas {len(snap['replicas'])}")
 
     def _table(self, snap: dict[str, Any]):
@@ -148,7 +153,7 @@ class Progress:
         table.add_row("rows", ProgressBar(total=max(1, snap["rows_total"]), completed=snap["rows_done"], width=40))
         table.add_row("", f"{snap['rows_done']:,} / {snap['rows_total']:,}  ({snap['rows_error']:,} errors)")
         table.add_row("throughput", f"{snap['rows_per_s']:.1f} rows/s   in {snap['input_tokens_per_s']:.0f} tok/s   "
-                                    f"out {snap['output_tokens_per_s']:.0f} tok/s")
+                                    f"out {_out_rates(snap)}")
         table.add_row("elapsed / ETA", f"{fmt_duration(snap['elapsed_s'])} / {fmt_duration(snap['eta_s'])}")
         for name, rate in sorted(snap["replicas"].items()):
             table.add_row(f"replica {name}", f"{rate:.1f} rows/s")
@@ -166,7 +171,7 @@ class Progress:
     def tick(self) -> None:
         with self._tick_lock:
             snap = self.snapshot()
-            self.timeline.append((snap["updated_at"], snap["rows_done"], self.in_tokens, self.out_tokens))
+            self.timeline.append((snap["updated_at"], snap["rows_done"], self.in_tokens, self.generated_tokens))
             self._write(snap)
         if self.quiet:
             return
@@ -214,6 +219,15 @@ class Progress:
         return self.snapshot()
 
 
+def _out_rates(snap: dict[str, Any]) -> str:
+    """Output tokens/s: generated by the engine, and delivered (with dedup copies) when more."""
+    gen, delivered = snap["generated_tokens_per_s"], snap["delivered_tokens_per_s"]
+    text = f"{gen:.0f} tok/s generated"
+    if delivered > gen + 0.5:
+        text += f" ({delivered:.0f} delivered)"
+    return text
+
+
 def check_report_dependencies() -> None:
     """Raise :class:`MissingDependencyError` unless :func:`write_report` can run (call it before
     the work, so that a missing matplotlib is said at once, not after the job)."""
@@ -246,8 +260,8 @@ def write_report(timeline: list[tuple[float, int, int, int]], path: Path, title:
     ax1.set_xlabel("seconds since start")
     ax1.set_ylabel("rows/s", color="tab:blue")
     ax2 = ax1.twinx()
-    ax2.plot(xs, out_s, color="tab:orange", label="output tokens/s")
-    ax2.set_ylabel("output tokens/s", color="tab:orange")
+    ax2.plot(xs, out_s, color="tab:orange", label="generated tokens/s")
+    ax2.set_ylabel("generated tokens/s", color="tab:orange")
     ax1.set_title(title)
     fig.tight_layout()
     fig.savefig(path, dpi=100)

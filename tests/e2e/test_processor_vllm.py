@@ -63,7 +63,8 @@ def mixed(ray_cluster, smollm2):
         config, preprocess=mixed_preprocess,
         postprocess=lambda row: dict(i=row["i"], kind=row["kind"], Company=row["Company"], City=row["City"],
                                      answer=row["generated_text"], finish_reason=row["finish_reason"],
-                                     num_generated_tokens=row["num_generated_tokens"]))
+                                     num_generated_tokens=row["num_generated_tokens"], prompt=row["prompt"],
+                                     num_input_tokens=row["num_input_tokens"]))
     rows = make_rows()
     out = processor(ray.data.from_items(rows)).take_all()
     return rows, {r["i"]: r for r in out}, out
@@ -111,10 +112,19 @@ def test_json_schema_outputs_parse_and_validate(mixed):
         jsonschema.validate(json.loads(r["answer"]), PERSON)
 
 
-def test_prompt_rows_skip_the_chat_template(mixed):
+def test_prompt_rows_skip_the_chat_template(mixed, smollm2):
+    from llmbatch.models import load_tokenizer
+
+    tokenizer = load_tokenizer(smollm2)
     _, by_i, _ = mixed
     outs = [r for r in by_i.values() if r["kind"] == "prompt"]
     assert outs and all(o["answer"] for o in outs)
+    for o in outs:
+        # the engine saw the text itself (the tokenizer's own special tokens, no chat markup)
+        assert o["prompt"] == f"The company {o['Company']} sells"
+        assert o["num_input_tokens"] == len(tokenizer(o["prompt"], add_special_tokens=True)["input_ids"])
+    templated = [r for r in by_i.values() if r["kind"] == "choice"]
+    assert all(r["prompt"].startswith("<|im_start|>system") for r in templated)
 
 
 @pytest.fixture(scope="module")

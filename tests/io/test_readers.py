@@ -72,3 +72,17 @@ def test_unknown_format_and_missing_file(tmp_path):
         rows_of(tmp_path / "x.txt")
     with pytest.raises(ConfigError, match="does not exist"):
         rows_of(tmp_path / "missing.csv")
+
+
+def test_hf_dataset_state_cannot_name_files_outside_its_folder(tmp_path):
+    import json
+
+    from llmbatch.errors import ConfigError
+
+    secret = tmp_path / "secret.arrow"
+    secret.write_bytes(b"not yours")
+    ds = tmp_path / "ds"
+    ds.mkdir()
+    (ds / "state.json").write_text(json.dumps({"_data_files": [{"filename": "../secret.arrow"}]}))
+    with pytest.raises(ConfigError, match="outside the dataset folder"):
+        list(read_rows(str(ds), "hf"))

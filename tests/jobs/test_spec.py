@@ -8,7 +8,8 @@ import pytest
 
 from llmbatch.errors import ConfigError, JobError
 from llmbatch.jobs.run import open_job, run_job
-from llmbatch.jobs.spec import load_job, result_fields, template_fields
+from llmbatch.jobs.spec import load_job, numerics_fields, result_fields, template_fields
+from llmbatch.jobs.store import JobDir
 
 
 def write_job(tmp_path, body: str):
@@ -94,20 +95,28 @@ def test_changed_config_or_input_is_refused(job_file, tmp_path):
     from llmbatch.jobs.run import _stage
 
     spec = load_job(job_file)
-    job, meta = open_job(spec)
+    job = JobDir(spec.resolved_job_dir())
+    meta = open_job(job, spec)
     _stage(job, spec, meta)
-    # perf-only changes resume fine
-    open_job(load_job(job_file, overrides=["model.concurrency=3", "model.batch_size=7"]))
+    # placement changes resume silently
+    open_job(job, load_job(job_file, overrides=["model.accelerator_type=L4", "model.stall_timeout_s=60"]))
+    assert "config_history" not in job.meta()
+    # batching/parallelism changes resume, with a warning recorded in job.json
+    open_job(job, load_job(job_file, overrides=["model.concurrency=3", "model.batch_size=7",
+                                                "model.engine_kwargs.max_num_seqs=8"]))
+    history = job.meta()["config_history"]
+    assert history[-1]["kind"] == "numerics"
+    assert any("max_num_seqs" in c for c in history[-1]["changes"]) and "near-ties" in job.log_path.read_text()
     with pytest.raises(JobError) as err:
-        open_job(load_job(job_file, overrides=["sampling_params.temperature=0.7"]))
+        open_job(job, load_job(job_file, overrides=["sampling_params.temperature=0.7"]))
     assert "sampling_params.temperature: 0 -> 0.7" in str(err.value) and "--force" in str(err.value)
     with pytest.raises(JobError, match="engine_kwargs.max_model_len"):
-        open_job(load_job(job_file, overrides=["model.engine_kwargs.max_model_len=1024"]))
+        open_job(job, load_job(job_file, overrides=["model.engine_kwargs.max_model_len=1024"]))
     (tmp_path / "data.csv").write_text("Index,Company,City\n1,Acme,Paris\n2,Globex,Rome\n3,Initech,Bergen\n")
     with pytest.raises(JobError, match="changed since the job started"):
-        open_job(spec)
+        open_job(job, spec)
     # --force starts over
-    job2, meta2 = open_job(spec, force=True)
+    meta2 = open_job(job, spec, force=True)
     assert not meta2["staged"]
 
 
@@ -115,3 +124,5 @@ def test_result_fields_ignore_performance_settings(job_file):
     a = result_fields(load_job(job_file))
     b = result_fields(load_job(job_file, overrides=["model.batch_size=128", "model.engine_kwargs.max_num_seqs=8"]))
     assert a == b
+    assert numerics_fields(load_job(job_file)) != numerics_fields(
+        load_job(job_file, overrides=["model.engine_kwargs.max_num_seqs=8"]))

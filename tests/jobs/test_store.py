@@ -17,17 +17,29 @@ def test_staging_gives_stable_ids_and_keeps_bad_records(tmp_path):
     job = JobDir(tmp_path / "job")
     info = job.stage(str(data), None, None, None, None)
     assert info["rows"] == 4
-    import pickle
-
-    rows = [pickle.loads(v) for f in job.staged_files()
-            for v in pq.read_table(f).column("__llmbatch_state").to_pylist()]
+    rows = [r for f in job.staged_files() for r in job.staged_rows(f)]
     assert [r[ROW_ID] for r in rows] == [0, 1, 2, 3]
+    assert rows[0]["q"] == "a" and rows[3]["q"] == "d"
     assert rows[1][ERROR_COLUMN].startswith("read: JSONDecodeError: line 2")
     assert rows[2][ERROR_COLUMN].startswith("read: UnicodeDecodeError: line 3")
     again = JobDir(tmp_path / "job2")
     again.stage(str(data), None, None, None, None)
-    rows2 = [pickle.loads(v) for f in again.staged_files() for v in pq.read_table(f).column("__llmbatch_state").to_pylist()]
-    assert rows == rows2
+    assert rows == [r for f in again.staged_files() for r in again.staged_rows(f)]
+
+
+def test_staged_input_is_arrow_columns_not_pickles(tmp_path):
+    data = tmp_path / "in.jsonl"
+    data.write_text('{"q": "a", "n": 1, "tags": ["x"]}\n{"q": 5, "n": 2, "tags": {"k": 1}}\n')
+    job = JobDir(tmp_path / "job")
+    job.stage(str(data), None, None, None, None)
+    (path,) = job.staged_files()
+    table = pq.read_table(path)
+    assert not any(pa.types.is_binary(f.type) or pa.types.is_large_binary(f.type) for f in table.schema)
+    assert table.schema.field("n").type == pa.int64()
+    # columns whose values have no one type are JSON text, and come back as they were
+    assert [r["q"] for r in job.staged_rows(path)] == ["a", 5]
+    assert [r["tags"] for r in job.staged_rows(path)] == [["x"], {"k": 1}]
+    assert b"\x80\x05" not in path.read_bytes()  # no pickle stream anywhere in the file
 
 
 def test_commits_are_atomic_and_newest_part_wins(tmp_path):

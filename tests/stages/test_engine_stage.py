@@ -207,3 +207,39 @@ def test_structured_output_check():
         check_structured({"json": {"type": "object"}}, '{"a": ', "length")
     with pytest.raises(StructuredOutputError, match="does not match the JSON schema"):
         check_structured({"json": {"type": "object", "required": ["a"]}}, '{"b": 1}', "stop")
+
+
+def test_dedup_cache_is_bounded_by_bytes_and_keyed_by_digest():
+    from llmbatch.engines.vllm import request_digest
+    from llmbatch.stages.engine import result_size
+
+    long_prompt = list(range(50_000))
+    key = request_digest(long_prompt, {"temperature": 0}, None)
+    assert len(key) == 16 and key == request_digest(list(long_prompt), {"temperature": 0}, None)
+    assert key != request_digest(long_prompt, {"temperature": 0}, "adapter-a")
+    assert key != request_digest("text prompt", {"temperature": 0}, None)
+    stage = EngineStage(FakeEngine())
+    stage.result_cache_bytes = 1 << 20
+    answer = {"generated_text": "x" * 2000, "generated_tokens": list(range(500))}
+    for i in range(2000):
+        stage._remember(request_digest([i], {}, None), dict(answer))
+    assert stage._results_bytes <= stage.result_cache_bytes
+    assert 0 < len(stage._results) < 2000 and stage._results_bytes == sum(s for _, s in stage._results.values())
+    assert result_size(answer) > 6000
+
+
+def test_job_sink_keeps_the_error_column_with_postprocess_and_errors_not_kept():
+    from llmbatch.codec import decode_rows
+    from llmbatch.rows import ROW_ID
+    from llmbatch.stages.runner import StageRunner
+    from llmbatch.stages.user_fns import PostprocessStage
+
+    import pyarrow as pa
+
+    rows = pa.table({ROW_ID: [0, 1], "generated_text": ["a", "b"], ERROR_COLUMN: ["", ""]})
+    post = PostprocessStage(lambda row: {"answer": row["generated_text"]})
+    job_sink = StageRunner([post], sink=True, sink_rows=True, include_error_column=False, keep_private=(ROW_ID,))
+    out = [r for t in job_sink(rows) for r in decode_rows(t)]
+    assert [(r["answer"], r[ERROR_COLUMN], r[ROW_ID]) for r in out] == [("a", "", 0), ("b", "", 1)]
+    user_sink = StageRunner([post], sink=True, include_error_column=False)
+    assert all(ERROR_COLUMN not in t.column_names for t in user_sink(rows))

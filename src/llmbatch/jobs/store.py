@@ -2,7 +2,8 @@
 
 ```
 JOBDIR/job.json         resolved job, config hash, input fingerprint, row count
-JOBDIR/input/*.parquet  the input, staged once: row id + the row (pickled, any shape)
+JOBDIR/input/*.parquet  the input, staged once: row id + the row's columns (typed Arrow, or
+                        JSON text where the values have no one type; never a pickle)
 JOBDIR/parts/*.parquet  committed answers and error rows, immutable, numbered
 JOBDIR/errors.jsonl     one line per failed row (id, stage, error type, message, input)
 JOBDIR/stats.json       totals when a run ends; progress.json while it runs; log.txt
@@ -22,7 +23,6 @@ import fcntl
 import hashlib
 import json
 import os
-import pickle
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -33,12 +33,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from llmbatch.codec import rows_to_table, table_to_rows
 from llmbatch.errors import JobError
-from llmbatch.io.readers import READ_ERROR, read_rows
+from llmbatch.redact import redact_text
+from llmbatch.io.readers import READ_ERROR, TextTypes, infer_format, read_rows
 from llmbatch.rows import ERROR_COLUMN, ROW_ID, is_missing, parse_error
-from llmbatch.stages.runner import STATE_COLUMN
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: staged input as Arrow columns (1 pickled rows)
+LOCK_NAME = "lock"
 KEY_COLUMN = "__llmbatch_key"
 STAGE_ROWS = 20_000
 ERROR_ROW_CHARS = 2_000
@@ -159,7 +161,19 @@ class JobDir:
     def log(self, message: str) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "a") as fh:
-            fh.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {message}\n")
+            fh.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {redact_text(message)}\n")
+
+    def reset(self) -> None:
+        """Delete everything the job left (``--force``), keeping the lock its caller holds."""
+        import shutil
+
+        for entry in self.root.iterdir():
+            if entry.name == LOCK_NAME:
+                continue
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
 
     # -- lock --------------------------------------------------------------------------------
 
@@ -167,7 +181,7 @@ class JobDir:
     def locked(self) -> Iterator[None]:
         """Hold the job's lock (one driver per job dir)."""
         self.root.mkdir(parents=True, exist_ok=True)
-        fh = open(self.root / "lock", "a+")
+        fh = open(self.root / LOCK_NAME, "a+")
         try:
             fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -190,7 +204,7 @@ class JobDir:
 
     def is_running(self) -> bool:
         """Whether a driver holds this job's lock right now."""
-        path = self.root / "lock"
+        path = self.root / LOCK_NAME
         if not path.exists():
             return False
         with open(path, "a+") as fh:
@@ -205,6 +219,18 @@ class JobDir:
 
     def staged_files(self) -> list[Path]:
         return sorted(self.input_dir.glob("part-*.parquet"))
+
+    @staticmethod
+    def staged_rows(path: Path, ids: np.ndarray | None = None) -> list[dict[str, Any]]:
+        """The rows of one staged file (only ``ids`` when given), as the processor gets them."""
+        table = pq.read_table(path)
+        if ids is not None:
+            table = table.filter(pa.array(np.isin(table.column(ROW_ID).to_numpy(), ids)))
+        rows = table_to_rows(table.drop_columns([KEY_COLUMN]))
+        for row in rows:
+            if not row.get(ERROR_COLUMN):
+                row.pop(ERROR_COLUMN, None)
+        return rows
 
     def stage(self, path: str, fmt: str | None, columns: list[str] | None, limit: int | None,
               id_column: str | None) -> dict[str, Any]:
@@ -226,15 +252,16 @@ class JobDir:
         seen_columns: dict[str, None] = {}
         buffer: list[dict[str, Any]] = []
 
+        types = TextTypes() if (fmt or infer_format(path)) == "csv" else None
+
         def flush() -> None:
             nonlocal part, buffer
             if not buffer:
                 return
-            ids = pa.array([r[ROW_ID] for r in buffer], pa.int64())
-            key_text = pa.array([_key_text(r, id_column) for r in buffer], pa.string())
-            state = pa.array([pickle.dumps(r, protocol=5) for r in buffer], pa.binary())
-            table = pa.table({ROW_ID: ids, KEY_COLUMN: key_text, STATE_COLUMN: state})
-            pq.write_table(table, tmp_dir / f"part-{part:05d}.parquet")
+            keys_text = [_key_text(r, id_column) for r in buffer]
+            table = rows_to_table(buffer)
+            table = table.append_column(KEY_COLUMN, pa.array(keys_text, pa.string()))
+            _write_synced(table, tmp_dir / f"part-{part:05d}.parquet")
             part += 1
             buffer = []
 
@@ -242,6 +269,8 @@ class JobDir:
             for row in rows:
                 read_error = row.pop(READ_ERROR, "")
                 seen_columns.update(dict.fromkeys(row))
+                if types is not None and not read_error:
+                    types.add(row)
                 row[ROW_ID] = next_id
                 if read_error:
                     row[ERROR_COLUMN] = read_error
@@ -263,9 +292,11 @@ class JobDir:
         columns_list = list(seen_columns)
         if id_column is not None and keys:
             self._check_duplicates(np.asarray(keys, dtype=np.uint64), tmp_dir, id_column)
+        fsync_dir(tmp_dir)
         os.replace(tmp_dir, self.input_dir)
         fsync_dir(self.root)
-        return {"rows": next_id, "columns": columns_list}
+        return {"rows": next_id, "columns": columns_list,
+                "column_types": types.result(columns_list) if types is not None else {}}
 
     def _check_duplicates(self, keys: np.ndarray, staged: Path, id_column: str) -> None:
         uniq, counts = np.unique(keys, return_counts=True)
@@ -306,10 +337,7 @@ class JobDir:
             self._next_part = self.part_index(files[-1]) + 1 if files else 0
         path = self.parts_dir / f"part-{self._next_part:06d}.parquet"
         tmp = self.parts_dir / f".{path.name}.tmp"
-        with open(tmp, "wb") as fh:
-            pq.write_table(table, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
+        _write_synced(table, tmp)
         os.replace(tmp, path)
         fsync_dir(self.parts_dir)
         self._next_part += 1
@@ -321,9 +349,7 @@ class JobDir:
         latest = np.full(rows, -1, dtype=np.int32)
         error = np.zeros(rows, dtype=bool)
         for path in self.part_files():
-            t = pq.read_table(path, columns=[ROW_ID, ERROR_COLUMN])
-            ids = t.column(0).to_numpy()
-            errs = np.array([bool(e) for e in t.column(1).to_pylist()], dtype=bool)
+            ids, errs = read_part_state(path)
             latest[ids] = self.part_index(path)
             error[ids] = errs
         return State(latest, error)
@@ -338,6 +364,26 @@ class JobDir:
             mask = state.latest[ids] == self.part_index(path)
             if mask.any():
                 yield table, mask
+
+
+def _write_synced(table: pa.Table, path: Path) -> None:
+    """Write a Parquet file and fsync it before anyone may rely on it."""
+    with open(path, "wb") as fh:
+        pq.write_table(table, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def read_part_state(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    """(row ids, is-error flags) of a committed part; a part without an error column (written
+    by an older llmbatch with postprocess and continue_on_error off) holds answered rows."""
+    names = pq.read_schema(path).names
+    columns = [ROW_ID, ERROR_COLUMN] if ERROR_COLUMN in names else [ROW_ID]
+    t = pq.read_table(path, columns=columns)
+    ids = t.column(ROW_ID).to_numpy()
+    if ERROR_COLUMN not in names:
+        return ids, np.zeros(len(ids), dtype=bool)
+    return ids, np.array([bool(e) for e in t.column(ERROR_COLUMN).to_pylist()], dtype=bool)
 
 
 def _hash(text: str) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import io
+import os
 from typing import Any
 
 from llmbatch.errors import MissingDependencyError, RowValidationError
@@ -18,8 +19,35 @@ from llmbatch.stages.base import Stage
 IMAGE_PART_TYPES = ("image", "image_url", "input_image")
 
 
-def load_image(value: Any):
-    """Decode an image given as PIL image, bytes, data URL, http(s) URL or path."""
+class MediaPolicy:
+    """Which media a row may name (vLLM's option names, set in ``engine_kwargs``):
+    ``allowed_local_media_path`` (local files only under this folder) and
+    ``allowed_media_domains`` (URLs only from these hosts). Unset: no restriction."""
+
+    def __init__(self, allowed_local_media_path: str | None = None, allowed_media_domains: list[str] | None = None):
+        self.root = os.path.realpath(allowed_local_media_path) if allowed_local_media_path else None
+        self.domains = [d.lower() for d in allowed_media_domains or []]
+
+    def check_url(self, url: str) -> None:
+        if not self.domains:
+            return
+        from urllib.parse import urlsplit
+
+        host = (urlsplit(url).hostname or "").lower()
+        if not any(host == d or host.endswith("." + d) for d in self.domains):
+            raise RowValidationError(f"media URL host {host!r} is not in allowed_media_domains {self.domains}")
+
+    def check_path(self, path: str) -> str:
+        real = os.path.realpath(path)
+        if self.root is not None and os.path.commonpath([self.root, real]) != self.root:
+            raise RowValidationError(f"media path {path!r} is outside allowed_local_media_path {self.root!r}")
+        return real
+
+
+def load_image(value: Any, policy: MediaPolicy | None = None):
+    """Decode an image given as PIL image, bytes, data URL, http(s) URL or path (URLs and
+    paths as ``policy`` allows)."""
+    policy = policy or MediaPolicy()
     try:
         from PIL import Image
     except ImportError as exc:  # pragma: no cover - pillow comes with vllm
@@ -39,11 +67,13 @@ def load_image(value: Any):
     elif isinstance(value, str) and value.startswith(("http://", "https://")):
         import urllib.request
 
-        with urllib.request.urlopen(value, timeout=30) as resp:  # noqa: S310 - user-given URL
+        policy.check_url(value)
+        with urllib.request.urlopen(value, timeout=30) as resp:  # noqa: S310 - user-given URL, policy checked
             data = resp.read()
     elif isinstance(value, str):
+        path = policy.check_path(value.removeprefix("file://"))
         try:
-            with open(value, "rb") as fh:
+            with open(path, "rb") as fh:
                 data = fh.read()
         except OSError as exc:
             raise RowValidationError(f"cannot read image {value!r}: {exc}") from exc
@@ -63,8 +93,10 @@ class PrepareMultimodalStage(Stage):
     name = "prepare_multimodal"
 
     def __init__(self, model_source: str, model_config_kwargs: dict[str, Any] | None = None,
-                 content_format: str | None = "string", continue_on_error: bool = False):
+                 content_format: str | None = "string", continue_on_error: bool = False,
+                 policy: MediaPolicy | None = None):
         super().__init__(continue_on_error)
+        self.policy = policy or MediaPolicy()
         self.model_source = model_source
         self.model_config_kwargs = model_config_kwargs or {}
         self.content_format = content_format or "string"
@@ -81,7 +113,7 @@ class PrepareMultimodalStage(Stage):
             for part in content:
                 if isinstance(part, dict) and part.get("type") in IMAGE_PART_TYPES:
                     raw = part.get("image", part.get("image_url", part.get("input_image")))
-                    images.append(load_image(raw))
+                    images.append(load_image(raw, self.policy))
                     part.clear()
                     part["type"] = "image"
         if images:

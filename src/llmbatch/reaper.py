@@ -1,0 +1,91 @@
+"""No engine process outlives its replica.
+
+vLLM runs its engine in child processes of the replica. When Ray ends a replica abruptly
+(the job's driver exits, a node is drained, ``ray stop``), those children are not told: they
+keep their memory (and, on a GPU, the GPU) until someone kills them. :func:`watch_children`
+starts a small reaper process, outside the replica's process group, that holds one end of a
+pipe whose other end only the replica holds: when the replica dies, for whatever reason, the
+pipe closes and the reaper kills the processes the replica had started.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+#: How often the reaper refreshes the list of the replica's descendants.
+REFRESH_S = 2.0
+
+
+_WRITE_FD: int | None = None
+
+
+def watch_children() -> bool:
+    """Start the reaper for this process once; returns whether it runs. The reaper detaches
+    (a new session, and not a child of this process) so that whatever ends this process and
+    its direct children leaves it to do its work."""
+    global _WRITE_FD
+    if _WRITE_FD is not None:
+        return True
+    read_fd, write_fd = os.pipe()
+    try:
+        launcher = subprocess.Popen([sys.executable, "-m", "llmbatch.reaper", str(os.getpid()), str(read_fd)],
+                                    pass_fds=(read_fd,), start_new_session=True, stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        launcher.wait(timeout=30)  # it forks the reaper and exits at once
+    except (OSError, subprocess.TimeoutExpired):
+        os.close(write_fd)
+        return False
+    finally:
+        os.close(read_fd)
+    os.set_inheritable(write_fd, False)  # only this process holds it: its death closes the pipe
+    _WRITE_FD = write_fd
+    return True
+
+
+def _descendants(pid: int) -> set[int]:
+    import psutil
+
+    try:
+        return {p.pid for p in psutil.Process(pid).children(recursive=True)}
+    except psutil.Error:
+        return set()
+
+
+def _reap(watched: int, read_fd: int) -> None:
+    import psutil
+    import select
+
+    known: set[int] = set()
+    while True:
+        ready, _, _ = select.select([read_fd], [], [], REFRESH_S)
+        if ready and not os.read(read_fd, 1):
+            break  # the replica is gone (or exited): its pipe end closed
+        known |= _descendants(watched)
+        known = {p for p in known if psutil.pid_exists(p)}
+    victims = []
+    for pid in known:
+        try:
+            proc = psutil.Process(pid)
+            victims.append(proc)
+            victims.extend(proc.children(recursive=True))
+        except psutil.Error:
+            continue
+    for proc in victims:
+        try:
+            proc.terminate()
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(victims, timeout=3)
+    for proc in alive:
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+
+
+if __name__ == "__main__":
+    if os.fork() > 0:  # the launcher exits; the reaper is nobody's child
+        os._exit(0)
+    _reap(int(sys.argv[1]), int(sys.argv[2]))

@@ -1,0 +1,125 @@
+"""Secrets never reach disk or logs.
+
+Job files and configs can carry secrets: HTTP headers (``Authorization``), ``runtime_env``
+environment variables (``HF_TOKEN``, ``AWS_SECRET_ACCESS_KEY``), tokens in engine settings,
+credentials and signed query strings in URLs. Everything llmbatch writes to a job directory
+(``job.json``, ``log.txt``, ``stats.json``, ``errors.jsonl``) or prints goes through
+:func:`redact` / :func:`redact_text` first.
+
+A job file can name a secret instead of holding it: ``${HF_TOKEN}`` in any string value is
+read from the environment when the job is loaded, and the job directory keeps the reference,
+so ``llmbatch resume`` reads it again. A literal secret is written as :data:`REDACTED`; such a
+job resumes from its job file (``llmbatch run job.yaml``), not from the job directory alone.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+from llmbatch.errors import ConfigError, JobError
+
+REDACTED = "<redacted>"
+#: Words that make a key (header, env var, setting, query parameter) a secret.
+SECRET_WORDS = frozenset("""
+token secret secrets password passwd pwd credential credentials authorization auth cookie apikey
+signature sig privatekey bearer
+""".split())
+#: Word pairs that do (``api_key``, ``AWS_SECRET_ACCESS_KEY``, ``x-amz-security-token``...).
+SECRET_PAIRS = (("api", "key"), ("access", "key"), ("private", "key"), ("secret", "key"), ("session", "token"),
+                ("security", "token"), ("account", "key"), ("client", "secret"))
+_ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+_URL = re.compile(r"\b[a-zA-Z][a-zA-Z0-9+.-]*://[^\s'\"<>]+")
+_BEARER = re.compile(r"\b(Bearer|Basic|Token)\s+[A-Za-z0-9._~+/=-]{8,}", re.IGNORECASE)
+
+
+def is_secret_key(key: Any) -> bool:
+    """Whether a key's name says its value is a secret (``max_num_batched_tokens`` is not)."""
+    words = [w for w in re.split(r"[^a-z0-9]+", str(key).lower()) if w]
+    if any(w in SECRET_WORDS for w in words):
+        return True
+    return any(a in words and b in words for a, b in SECRET_PAIRS)
+
+
+def _redact_url(url: str) -> str:
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return url
+    netloc = parts.netloc
+    if "@" in netloc:
+        netloc = f"{REDACTED}@{netloc.rsplit('@', 1)[1]}"
+    query = parts.query
+    if query:
+        pairs = parse_qsl(query, keep_blank_values=True)
+        if any(is_secret_key(k) or k.lower().startswith("x-amz-") for k, _ in pairs):
+            query = urlencode([(k, REDACTED if is_secret_key(k) or k.lower().startswith("x-amz-") else v)
+                               for k, v in pairs], safe="<>")
+    if netloc == parts.netloc and query == parts.query:
+        return url
+    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+
+
+def redact_text(text: Any) -> Any:
+    """``text`` with URL credentials, signed query values and bearer tokens replaced."""
+    if not isinstance(text, str):
+        return text
+    text = _URL.sub(lambda m: _redact_url(m.group(0)), text)
+    return _BEARER.sub(lambda m: f"{m.group(1)} {REDACTED}", text)
+
+
+def redact(value: Any, key: Any = None) -> Any:
+    """A copy of ``value`` (dicts, lists, strings) with every secret replaced by
+    :data:`REDACTED`. ``${VAR}`` references are kept: they name a secret, they are not one."""
+    if key is not None and is_secret_key(key) and value not in (None, "", {}, []):
+        if isinstance(value, str) and _ENV_REF.fullmatch(value.strip()):
+            return value
+        if not isinstance(value, (dict, list)):
+            return REDACTED
+    if isinstance(value, dict):
+        return {k: redact(v, k) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [redact(v) for v in value]
+    if isinstance(value, str):
+        return redact_text(value)
+    return value
+
+
+def expand_env(value: Any, where: str = "") -> Any:
+    """Replace ``${VAR}`` in string values with the environment's value (a missing variable
+    is a config error that names it and where it is used)."""
+    if isinstance(value, dict):
+        return {k: expand_env(v, f"{where}.{k}" if where else str(k)) for k, v in value.items()}
+    if isinstance(value, list):
+        return [expand_env(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, str) and "${" in value:
+        def sub(m: re.Match) -> str:
+            name = m.group(1)
+            if name not in os.environ:
+                raise ConfigError(f"{where or 'the job'} uses ${{{name}}}, which is not set in the environment; "
+                                  f"export {name}=... and run again")
+            return os.environ[name]
+
+        return _ENV_REF.sub(sub, value)
+    return value
+
+
+def find_redacted(value: Any, where: str = "") -> list[str]:
+    """Where :data:`REDACTED` stands in place of a value."""
+    if isinstance(value, dict):
+        return [p for k, v in value.items() for p in find_redacted(v, f"{where}.{k}" if where else str(k))]
+    if isinstance(value, list):
+        return [p for i, v in enumerate(value) for p in find_redacted(v, f"{where}[{i}]")]
+    return [where] if isinstance(value, str) and REDACTED in value else []
+
+
+def check_no_redacted(spec_data: dict[str, Any], job_dir: Any) -> None:
+    """A job directory's spec with secrets left out cannot run by itself: say how to resume."""
+    missing = find_redacted(spec_data)
+    if missing:
+        raise JobError(
+            f"job {job_dir} was started with secrets written into its job file ({', '.join(missing)}), which "
+            "llmbatch does not store. Resume it with the job file: `llmbatch run JOB.yaml` (it continues this "
+            "job directory), and next time reference secrets from the environment, e.g. ${HF_TOKEN}.")
