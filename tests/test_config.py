@@ -127,7 +127,7 @@ def test_field_docs_exist_for_every_field():
 def test_configuration_reference_is_current():
     from pathlib import Path
 
-    from llmbatch.config import config_reference
+    from llmbatch.jobs.reference import config_reference
 
     committed = (Path(__file__).resolve().parents[1] / "docs" / "configuration.md").read_text()
     assert committed.strip() == config_reference().strip(), "regenerate docs/configuration.md with llmbatch.config.config_reference()"

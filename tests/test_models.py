@@ -1,7 +1,13 @@
 import pytest
 
 from llmbatch.errors import ModelNotFoundError
-from llmbatch.models import ALIASES, check_model_source, list_models, model_max_len, resolve_model
+from llmbatch.models import (
+    ALIASES,
+    check_model_source,
+    list_models,
+    model_max_len,
+    resolve_model,
+)
 
 
 def test_aliases_and_listing():

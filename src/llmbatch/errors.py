@@ -6,7 +6,15 @@ where (field, row, stage) and what to do about it.
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Iterable
 from typing import Any
+
+
+def did_you_mean(name: str, known: Iterable[str], cutoff: float = 0.6) -> str | None:
+    """The known name closest to a mistyped ``name`` (None when nothing is close)."""
+    close = difflib.get_close_matches(str(name), list(known), n=1, cutoff=cutoff)
+    return close[0] if close else None
 
 
 class LLMBatchError(Exception):

@@ -15,7 +15,6 @@ Prepared models live under ``$LLMBATCH_CACHE/models`` (default ``~/.cache/llmbat
 
 from __future__ import annotations
 
-import difflib
 import hashlib
 import json
 import os
@@ -27,7 +26,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from llmbatch.errors import MissingDependencyError, ModelNotFoundError
+from llmbatch.errors import MissingDependencyError, ModelNotFoundError, did_you_mean
 
 
 @dataclass(frozen=True)
@@ -69,10 +68,9 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
 def cache_dir() -> Path:
-    """Root of llmbatch's cache ($LLMBATCH_CACHE, default ~/.cache/llmbatch)."""
-    from llmbatch.config import default_cache_dir
-
-    return Path(default_cache_dir())
+    """Root of llmbatch's cache: prepared models, fetched wheels ($LLMBATCH_CACHE, default
+    ~/.cache/llmbatch)."""
+    return Path(os.environ.get("LLMBATCH_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "llmbatch"))
 
 
 def _looks_like_path(source: str) -> bool:
@@ -101,9 +99,9 @@ def check_model_source(source: str) -> str:
             f"model_source '{source}' does not exist. Give an existing folder or .gguf file, "
             f"a hub id, or one of the offline aliases: {', '.join(ALIASES)}."
         )
-    close = difflib.get_close_matches(source, list(ALIASES), n=1, cutoff=0.8)
+    close = did_you_mean(source, ALIASES, cutoff=0.8)
     if close and "/" not in source:
-        raise ModelNotFoundError(f"unknown model '{source}'. Did you mean the offline alias '{close[0]}'?")
+        raise ModelNotFoundError(f"unknown model '{source}'. Did you mean the offline alias '{close}'?")
     return source
 
 
@@ -258,7 +256,9 @@ def _gguf_to_checkpoint(gguf_file: Path, out: Path) -> None:
         import torch
         from safetensors.torch import save_file
         from transformers import AutoModelForCausalLM, AutoTokenizer
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        from transformers.models.auto.modeling_auto import (
+            MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        )
     except ImportError as exc:
         raise MissingDependencyError("dequantizing a GGUF model", "transformers torch gguf accelerate") from exc
     folder, name = str(gguf_file.parent), gguf_file.name

@@ -9,12 +9,14 @@ seconds otherwise), and writes ``progress.json`` in the job directory once a sec
 from __future__ import annotations
 
 import collections
-import json
 import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from llmbatch.errors import MissingDependencyError
+from llmbatch.io.files import atomic_write_json
 
 WINDOW_S = 30.0
 
@@ -164,9 +166,7 @@ class Progress:
     def _write(self, snap: dict[str, Any]) -> None:
         if self.progress_path is None:
             return
-        tmp = self.progress_path.with_name(".progress.json.tmp")
-        tmp.write_text(json.dumps(snap))
-        tmp.replace(self.progress_path)
+        atomic_write_json(self.progress_path, snap, indent=None)
 
     def tick(self) -> None:
         with self._tick_lock:
@@ -234,8 +234,6 @@ def check_report_dependencies() -> None:
     import importlib.util
 
     if importlib.util.find_spec("matplotlib") is None:
-        from llmbatch.errors import MissingDependencyError
-
         raise MissingDependencyError("--report", "matplotlib")
 
 

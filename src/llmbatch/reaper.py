@@ -54,8 +54,9 @@ def _descendants(pid: int) -> set[int]:
 
 
 def _reap(watched: int, read_fd: int) -> None:
-    import psutil
     import select
+
+    import psutil
 
     known: set[int] = set()
     while True:

@@ -18,6 +18,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from llmbatch.errors import RowValidationError
+
 Row = dict[str, Any]
 
 ERROR_COLUMN = "__inference_error__"
@@ -68,6 +70,9 @@ spaces_between_special_tokens include_stop_str_in_output stream_interval output_
 structured_outputs logit_bias allowed_token_ids extra_args bad_words skip_reading_prefix_cache
 thinking_token_budget repetition_detection truncate_prompt_tokens guided_decoding
 """.split())
+
+#: vLLM's max_tokens when a row does not say.
+DEFAULT_MAX_TOKENS = 16
 
 #: Private bookkeeping keys carried between stages; never shown to users.
 PRIVATE_PREFIX = "__llmbatch_"
@@ -124,3 +129,47 @@ def to_python(value: Any) -> Any:
     if tolist is not None and type(value).__module__ == "numpy":
         return to_python(tolist())
     return value
+
+
+ROLES = ("system", "user", "assistant", "tool", "developer", "function")
+TEXT_PART_TYPES = ("text", "input_text")
+
+
+def normalize_messages(messages: Any) -> list[dict[str, Any]]:
+    """Check the shape of OpenAI-style ``messages`` and flatten text-only part lists.
+
+    Raises :class:`RowValidationError` naming the message and the problem.
+    """
+    if isinstance(messages, dict):
+        raise RowValidationError("'messages' must be a list of {'role', 'content'} dicts, not one dict; wrap it in a list")
+    if not isinstance(messages, (list, tuple)):
+        raise RowValidationError(f"'messages' must be a list of {{'role', 'content'}} dicts, got {type(messages).__name__}")
+    if not messages:
+        raise RowValidationError("'messages' is empty; give at least one message")
+    out = []
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict):
+            raise RowValidationError(f"messages[{i}] must be a dict with 'role' and 'content', got {type(msg).__name__}")
+        role = msg.get("role")
+        if role not in ROLES:
+            raise RowValidationError(f"messages[{i}] has role {role!r}; use one of {', '.join(ROLES)}")
+        if "content" not in msg:
+            raise RowValidationError(f"messages[{i}] has no 'content'")
+        content = msg["content"]
+        if isinstance(content, (list, tuple)):
+            parts = []
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or "type" not in part:
+                    raise RowValidationError(f"messages[{i}].content[{j}] must be a dict with a 'type'")
+                parts.append(part)
+            if all(p["type"] in TEXT_PART_TYPES for p in parts):
+                content = "\n".join(str(p.get("text", "")) for p in parts)
+            else:
+                content = parts
+        elif content is None:
+            if role != "assistant":
+                raise RowValidationError(f"messages[{i}] ({role}) has no content")
+        elif not isinstance(content, str):
+            raise RowValidationError(f"messages[{i}].content must be a string or a list of parts, got {type(content).__name__}")
+        out.append({**msg, "content": content})
+    return out

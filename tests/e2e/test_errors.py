@@ -285,7 +285,7 @@ def test_killing_the_engine_process_loses_no_row(ray_cluster, smollm2, tmp_path)
         from llmbatch.jobs.store import JobDir
 
         jd = JobDir(job_dir)
-        return jd.state().counts()["done"] if jd.exists() and jd.meta().get("staged") else 0
+        return jd.state().counts()["done"] if jd.exists() and jd.meta().ingested else 0
 
     deadline = time.monotonic() + 400
     while committed() < 8:

@@ -67,7 +67,7 @@ def cli(*args: str, log: Path) -> subprocess.Popen:
 
 def committed(job_dir: Path) -> int:
     job = JobDir(job_dir)
-    if not job.exists() or not job.meta().get("staged"):
+    if not job.exists() or not job.meta().ingested:
         return 0
     return job.state().counts()["done"]
 
@@ -108,7 +108,7 @@ def test_sigkill_at_three_points_and_sigint_then_resume_exactly_once(ray_cluster
 
     # 1. SIGKILL before the first commit: the input is staged, the engine is still starting
     p = cli("run", str(job_file), "--quiet", log=log)
-    wait_for(lambda: JobDir(job_dir).exists() and JobDir(job_dir).meta().get("staged"), 120, "staged", p)
+    wait_for(lambda: JobDir(job_dir).exists() and JobDir(job_dir).meta().ingested, 120, "staged", p)
     time.sleep(2)
     assert committed(job_dir) == 0
     kill9(p)
@@ -152,7 +152,7 @@ def test_sigkill_at_three_points_and_sigint_then_resume_exactly_once(ray_cluster
     assert errors == []
     done = status(job_dir)
     assert done["state"] == "finished" and done["rows_done"] == rows and done["rows_todo"] == 0
-    runs = JobDir(job_dir).meta()["runs"]
+    runs = JobDir(job_dir).meta().runs
     assert [r["state"] for r in runs][-2:] == ["stopped", "finished"]
 
 

@@ -21,7 +21,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq

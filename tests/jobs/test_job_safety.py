@@ -18,9 +18,11 @@ import pytest
 
 from llmbatch.codec import rows_to_table
 from llmbatch.errors import JobError
+from llmbatch.jobs.identity import result_fields
+from llmbatch.jobs.ingest import input_rows
 from llmbatch.jobs.output import CRASH_ENV
-from llmbatch.jobs.run import _stage, open_job, run_job
-from llmbatch.jobs.spec import load_job, result_fields
+from llmbatch.jobs.run import _ingest, open_job, run_job
+from llmbatch.jobs.spec import load_job
 from llmbatch.jobs.status import job_status
 from llmbatch.jobs.store import JobDir
 from llmbatch.rows import ERROR_COLUMN, ROW_ID, STATS
@@ -46,8 +48,8 @@ def write_job(tmp_path, body: str = JOB, rows: int = ROWS):
 def answer(job: JobDir, ids, error_ids=()):
     """Commit answers for ``ids`` as the driver would (error rows for ``error_ids``)."""
     rows = []
-    for path in job.staged_files():
-        for row in job.staged_rows(path):
+    for path in job.input_files():
+        for row in input_rows(path):
             if row[ROW_ID] in ids:
                 failed = row[ROW_ID] in error_ids
                 row.update(generated_text="" if failed else f"answer {row[ROW_ID]}",
@@ -63,7 +65,7 @@ def staged_job(tmp_path, **answer_kwargs):
     spec = load_job(write_job(tmp_path))
     job = JobDir(spec.resolved_job_dir())
     meta = open_job(job, spec)
-    _stage(job, spec, meta)
+    _ingest(job, spec, meta)
     answer(job, set(range(ROWS)), **answer_kwargs)
     return spec, job
 
@@ -91,7 +93,7 @@ def test_force_keeps_the_lock_file_it_holds(tmp_path):
     spec, job = staged_job(tmp_path)
     with job.locked():
         meta = open_job(job, spec, force=True)
-        assert not meta["staged"] and (job.root / "lock").exists() and not job.parts_dir.exists()
+        assert not meta.ingested and (job.root / "lock").exists() and not job.parts_dir.exists()
 
 
 def test_resume_continues_the_directory_it_is_given(tmp_path):
@@ -151,7 +153,7 @@ def test_finished_outputs_and_staged_input_are_fsynced_before_they_are_relied_on
 
     monkeypatch.setattr(os, "fsync", spy)
     spec, job = staged_job(tmp_path, error_ids={2})
-    staged = [str(p) for p in job.staged_files()]
+    staged = [str(p) for p in job.input_files()]
     assert all(any(s.endswith(os.path.basename(p)) for s in synced) for p in staged)
     synced.clear()
     run_job(spec, quiet=True)

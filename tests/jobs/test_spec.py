@@ -7,8 +7,9 @@ import textwrap
 import pytest
 
 from llmbatch.errors import ConfigError, JobError
+from llmbatch.jobs.identity import numerics_fields, result_fields
 from llmbatch.jobs.run import open_job, run_job
-from llmbatch.jobs.spec import load_job, numerics_fields, result_fields, template_fields
+from llmbatch.jobs.spec import load_job, template_fields
 from llmbatch.jobs.store import JobDir
 
 
@@ -92,19 +93,19 @@ def test_duplicate_ids_fail_before_inference(tmp_path):
 
 
 def test_changed_config_or_input_is_refused(job_file, tmp_path):
-    from llmbatch.jobs.run import _stage
+    from llmbatch.jobs.run import _ingest
 
     spec = load_job(job_file)
     job = JobDir(spec.resolved_job_dir())
     meta = open_job(job, spec)
-    _stage(job, spec, meta)
+    _ingest(job, spec, meta)
     # placement changes resume silently
     open_job(job, load_job(job_file, overrides=["model.accelerator_type=L4", "model.stall_timeout_s=60"]))
-    assert "config_history" not in job.meta()
+    assert not job.meta().config_history
     # batching/parallelism changes resume, with a warning recorded in job.json
     open_job(job, load_job(job_file, overrides=["model.concurrency=3", "model.batch_size=7",
                                                 "model.engine_kwargs.max_num_seqs=8"]))
-    history = job.meta()["config_history"]
+    history = job.meta().config_history
     assert history[-1]["kind"] == "numerics"
     assert any("max_num_seqs" in c for c in history[-1]["changes"]) and "near-ties" in job.log_path.read_text()
     with pytest.raises(JobError) as err:
@@ -117,7 +118,7 @@ def test_changed_config_or_input_is_refused(job_file, tmp_path):
         open_job(job, spec)
     # --force starts over
     meta2 = open_job(job, spec, force=True)
-    assert not meta2["staged"]
+    assert not meta2.ingested
 
 
 def test_result_fields_ignore_performance_settings(job_file):

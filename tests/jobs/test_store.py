@@ -7,6 +7,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from llmbatch.io.readers import read_rows
+from llmbatch.jobs.ingest import ingest, input_rows
+from llmbatch.jobs.meta import JobMeta
 from llmbatch.jobs.store import JobDir
 from llmbatch.rows import ERROR_COLUMN, ROW_ID
 
@@ -15,36 +17,36 @@ def test_staging_gives_stable_ids_and_keeps_bad_records(tmp_path):
     data = tmp_path / "in.jsonl"
     data.write_bytes(b'{"q": "a"}\nnot json\n{"q": "\xff"}\n{"q": "d"}\n')
     job = JobDir(tmp_path / "job")
-    info = job.stage(str(data), None, None, None, None)
+    info = ingest(job, str(data), None, None, None, None)
     assert info["rows"] == 4
-    rows = [r for f in job.staged_files() for r in job.staged_rows(f)]
+    rows = [r for f in job.input_files() for r in input_rows(f)]
     assert [r[ROW_ID] for r in rows] == [0, 1, 2, 3]
     assert rows[0]["q"] == "a" and rows[3]["q"] == "d"
     assert rows[1][ERROR_COLUMN].startswith("read: JSONDecodeError: line 2")
     assert rows[2][ERROR_COLUMN].startswith("read: UnicodeDecodeError: line 3")
     again = JobDir(tmp_path / "job2")
-    again.stage(str(data), None, None, None, None)
-    assert rows == [r for f in again.staged_files() for r in again.staged_rows(f)]
+    ingest(again, str(data), None, None, None, None)
+    assert rows == [r for f in again.input_files() for r in input_rows(f)]
 
 
 def test_staged_input_is_arrow_columns_not_pickles(tmp_path):
     data = tmp_path / "in.jsonl"
     data.write_text('{"q": "a", "n": 1, "tags": ["x"]}\n{"q": 5, "n": 2, "tags": {"k": 1}}\n')
     job = JobDir(tmp_path / "job")
-    job.stage(str(data), None, None, None, None)
-    (path,) = job.staged_files()
+    ingest(job, str(data), None, None, None, None)
+    (path,) = job.input_files()
     table = pq.read_table(path)
     assert not any(pa.types.is_binary(f.type) or pa.types.is_large_binary(f.type) for f in table.schema)
     assert table.schema.field("n").type == pa.int64()
     # columns whose values have no one type are JSON text, and come back as they were
-    assert [r["q"] for r in job.staged_rows(path)] == ["a", 5]
-    assert [r["tags"] for r in job.staged_rows(path)] == [["x"], {"k": 1}]
+    assert [r["q"] for r in input_rows(path)] == ["a", 5]
+    assert [r["tags"] for r in input_rows(path)] == [["x"], {"k": 1}]
     assert b"\x80\x05" not in path.read_bytes()  # no pickle stream anywhere in the file
 
 
 def test_commits_are_atomic_and_newest_part_wins(tmp_path):
     job = JobDir(tmp_path / "job")
-    job.write_meta({"rows": 4})
+    job.write_meta(JobMeta(spec={}, result_fields={}, numerics_fields={}, config_hash="", rows=4))
     job.commit(pa.table({ROW_ID: [0, 1, 2], ERROR_COLUMN: ["", "engine: X: y", ""]}))
     job.commit(pa.table({ROW_ID: [1, 3], ERROR_COLUMN: ["", ""]}))
     (job.parts_dir / ".part-000002.parquet.tmp").write_bytes(b"half a file")

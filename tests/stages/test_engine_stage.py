@@ -148,7 +148,7 @@ def test_dead_engine_is_restarted_and_rows_retried():
 
 def test_engine_that_keeps_dying_gives_error_rows_after_bounded_attempts():
     engine = FakeEngine(die_on={"p1"}, die_times=99)
-    stage = EngineStage(engine, max_attempts=3, continue_on_error=True)
+    stage = EngineStage(engine, max_attempts=3)
     out = []
 
     async def go():
@@ -172,20 +172,26 @@ def test_bad_rows_become_error_rows_or_raise():
         async for chunk in stage([dict(r) for r in rows]):
             out.extend(chunk)
 
-    asyncio.run(go(EngineStage(FakeEngine(), continue_on_error=True)))
+    asyncio.run(go(EngineStage(FakeEngine())))
     by = {r["prompt"]: r[ERROR_COLUMN] for r in out}
     assert by["bad"].startswith("validate: RowValidationError: unknown sampling param 'max_token'")
     assert by["boom"] == "engine: ValueError: the engine rejected this request"
     assert by["fine"] == ""
-    with pytest.raises(RowError, match="RowValidationError"):
-        asyncio.run(go(EngineStage(FakeEngine(), continue_on_error=False)))
+    # without continue_on_error, the runner fails the run at the first error row, naming it
+    import pyarrow as pa
+
+    from llmbatch.stages.runner import StageRunner
+
+    runner = StageRunner([EngineStage(FakeEngine())], sink=True, continue_on_error=False)
+    with pytest.raises(RowError, match="RowValidationError.*row .*bad"):
+        list(runner(pa.table({"prompt": [r["prompt"] for r in rows]})))
 
 
 def test_missing_prompt_names_the_keys():
     out = []
 
     async def go():
-        stage = EngineStage(FakeEngine(), continue_on_error=True)
+        stage = EngineStage(FakeEngine())
         await stage.start()
         async for chunk in stage([{"messages": []}]):
             out.extend(chunk)
@@ -229,17 +235,17 @@ def test_dedup_cache_is_bounded_by_bytes_and_keyed_by_digest():
 
 
 def test_job_sink_keeps_the_error_column_with_postprocess_and_errors_not_kept():
+    import pyarrow as pa
+
     from llmbatch.codec import decode_rows
     from llmbatch.rows import ROW_ID
     from llmbatch.stages.runner import StageRunner
     from llmbatch.stages.user_fns import PostprocessStage
 
-    import pyarrow as pa
-
     rows = pa.table({ROW_ID: [0, 1], "generated_text": ["a", "b"], ERROR_COLUMN: ["", ""]})
     post = PostprocessStage(lambda row: {"answer": row["generated_text"]})
-    job_sink = StageRunner([post], sink=True, sink_rows=True, include_error_column=False, keep_private=(ROW_ID,))
+    job_sink = StageRunner([post], sink=True, encoded_output=True, continue_on_error=False, keep_private=(ROW_ID,))
     out = [r for t in job_sink(rows) for r in decode_rows(t)]
     assert [(r["answer"], r[ERROR_COLUMN], r[ROW_ID]) for r in out] == [("a", "", 0), ("b", "", 1)]
-    user_sink = StageRunner([post], sink=True, include_error_column=False)
+    user_sink = StageRunner([post], sink=True, continue_on_error=False)
     assert all(ERROR_COLUMN not in t.column_names for t in user_sink(rows))

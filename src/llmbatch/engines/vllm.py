@@ -6,23 +6,25 @@ fit: eager mode and a KV cache sized from free memory, unless ``engine_kwargs`` 
 
 from __future__ import annotations
 
-import array
 import asyncio
-import contextlib
-import difflib
-import hashlib
 import itertools
-import json
 import logging
 import os
 import re
-import sys
 import time
-import warnings
 from typing import Any
 
 from llmbatch.engines.base import Request
+from llmbatch.engines.logs import EngineLog
+from llmbatch.engines.vllm_params import (
+    _suggest,
+    pooling_params,
+    request_digest,
+    sampling_params,
+)
 from llmbatch.errors import EngineStartError, MissingDependencyError, RowValidationError
+from llmbatch.models import resolve_model
+from llmbatch.reaper import watch_children
 from llmbatch.rows import Row, to_python
 
 logger = logging.getLogger(__name__)
@@ -37,7 +39,6 @@ TASK_RUNNERS = {
     "classify": {"runner": "pooling", "convert": "classify"},
     "score": {"runner": "pooling", "convert": "classify"},
 }
-_GUIDED_WARNED = False
 
 
 def _import_vllm():
@@ -90,52 +91,25 @@ def engine_arguments(model_path: str, engine_kwargs: dict[str, Any], task_type: 
     return {"model": model_path, **kwargs}
 
 
+def _ray_stat_logger():
+    """vLLM's logger that exports engine metrics as Ray metrics (needs Ray Serve's package)."""
+    try:
+        from ray.util import metrics  # noqa: F401
+        from vllm.v1.metrics import ray_wrappers
+    except ImportError as exc:
+        raise EngineStartError(f"log_engine_metrics needs vLLM's Ray metrics: {exc}") from exc
+    if getattr(ray_wrappers, "ray_metrics", True) is None:
+        raise MissingDependencyError("log_engine_metrics (vLLM exports its metrics through Ray Serve's package)",
+                                     "ray[serve]")
+    return ray_wrappers.RayPrometheusStatLogger
+
+
 def one_line(exc: BaseException) -> str:
     """An exception as one line (vLLM's config errors span several, with pydantic links)."""
     text = re.sub(r"For further information visit \S+", "", str(exc))
     text = re.sub(r"\d+ validation errors? for \w+", "", text)
     text = " ".join(text.replace("Value error,", "").split())
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-
-
-def _suggest(name: str, known: list[str]) -> str:
-    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
-    return f" (did you mean '{close[0]}'?)" if close else ""
-
-
-_INT_PARAMS = ("n", "max_tokens", "min_tokens", "top_k", "seed", "logprobs", "prompt_logprobs")
-_FLOAT_PARAMS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
-_BOOL_PARAMS = ("ignore_eos", "detokenize", "skip_special_tokens", "include_stop_str_in_output",
-                "spaces_between_special_tokens")
-
-
-def check_types(sp: dict[str, Any]) -> None:
-    """Wrong types fail the row here, with the field named (vLLM would fail deep in a batch)."""
-    for key, value in sp.items():
-        if key in _INT_PARAMS and (isinstance(value, bool) or not isinstance(value, int)):
-            raise RowValidationError(f"sampling param '{key}' must be an integer, got {value!r}")
-        if key in _FLOAT_PARAMS and (isinstance(value, bool) or not isinstance(value, (int, float))):
-            raise RowValidationError(f"sampling param '{key}' must be a number, got {value!r}")
-        if key in _BOOL_PARAMS and not isinstance(value, bool):
-            raise RowValidationError(f"sampling param '{key}' must be true or false, got {value!r}")
-    stop = sp.get("stop")
-    if stop is not None and not (isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(x, str) for x in stop))):
-        raise RowValidationError(f"sampling param 'stop' must be a string or a list of strings, got {stop!r}")
-    ids = sp.get("stop_token_ids")
-    if ids is not None and not (isinstance(ids, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in ids)):
-        raise RowValidationError(f"sampling param 'stop_token_ids' must be a list of integers, got {ids!r}")
-
-
-def request_digest(prompt: list[int] | str, canonical: Any, lora: str | None) -> bytes:
-    """A 16-byte digest that identical requests share (prompt, sampling params, adapter)."""
-    h = hashlib.blake2b(digest_size=16)
-    if isinstance(prompt, str):
-        h.update(b"t" + prompt.encode("utf-8", "surrogatepass"))
-    else:
-        h.update(b"i" + array.array("q", prompt).tobytes())
-    h.update(b"\0" + json.dumps(canonical, sort_keys=True, default=str).encode())
-    h.update(b"\0" + (lora or "").encode())
-    return h.digest()
 
 
 def _logprobs_rows(entries) -> list[list[dict[str, Any]]] | None:
@@ -154,63 +128,15 @@ def _logprobs_rows(entries) -> list[list[dict[str, Any]]] | None:
     return out
 
 
-class EngineLog:
-    """Where a replica's engine chatter goes: a file in Ray's log folder, not the terminal.
-
-    vLLM's start-up output (its processes' stdout/stderr, progress bars, warnings) and its own
-    loggers write here; what the user must see comes back as llmbatch's errors and messages,
-    which name this file.
-    """
-
-    def __init__(self):
-        folder = None
-        try:
-            import ray
-
-            folder = ray._private.worker._global_node.get_logs_dir_path()
-        except Exception:  # noqa: BLE001 - not in a Ray worker
-            pass
-        import tempfile
-
-        folder = folder or tempfile.gettempdir()
-        self.path = os.path.join(folder, f"llmbatch-engine-{os.getpid()}.log")
-        self.fh = open(self.path, "a", buffering=1)
-
-    @contextlib.contextmanager
-    def capture(self):
-        """Send this process's stdout/stderr (and so the engine processes it starts, which
-        inherit them) to the log while the block runs."""
-        sys.stdout.flush()
-        sys.stderr.flush()
-        saved = [os.dup(1), os.dup(2)]
-        try:
-            os.dup2(self.fh.fileno(), 1)
-            os.dup2(self.fh.fileno(), 2)
-            yield
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os.dup2(saved[0], 1)
-            os.dup2(saved[1], 2)
-            for fd in saved:
-                os.close(fd)
-
-    def take_loggers(self) -> None:
-        """vLLM's own log records (its front-end in this process) go to the log too."""
-        import logging
-
-        for handler in logging.getLogger("vllm").handlers:
-            if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
-                handler.setStream(self.fh)
-
-
 class VLLMEngine:
     """One vLLM ``AsyncLLM`` with llmbatch's request building and output shaping."""
 
     def __init__(self, model_source: str, engine_kwargs: dict[str, Any], task_type: str = "generate",
                  dynamic_lora_loading_path: str | None = None, replicas_per_node: int = 1,
-                 detokenize_after: bool = False):
+                 detokenize_after: bool = False, log_metrics: bool = False):
         self.model_source = model_source
+        #: export vLLM's engine metrics through Ray's metrics (Ray's ``log_engine_metrics``)
+        self.log_metrics = log_metrics
         #: the detokenize stage decodes answers once at the end, so the engine's front-end can
         #: skip incremental detokenization (per token, per step) where nothing needs the text early
         self.detokenize_after = detokenize_after
@@ -234,22 +160,22 @@ class VLLMEngine:
 
         if self.log is None:
             self.log = EngineLog()
-        from llmbatch.reaper import watch_children
-
         watch_children()  # the engine's processes never outlive this replica
         with self.log.capture():
             await self._start()
         self.log.take_loggers()
 
     async def _start(self) -> None:
-        from llmbatch.models import resolve_model
-
         vllm = self._vllm = _import_vllm()
         from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
 
         self.model_path = resolve_model(self.model_source)
         kwargs = engine_arguments(self.model_path, self.engine_kwargs, self.task_type, self.replicas_per_node)
+        stat_loggers = None
+        if self.log_metrics:
+            kwargs["disable_log_stats"] = False
+            stat_loggers = [_ray_stat_logger()]
         try:
             args = vllm.AsyncEngineArgs(**kwargs)
         except TypeError as exc:
@@ -260,7 +186,7 @@ class VLLMEngine:
         try:
             # Offline-batch defaults (vLLM's LLM class: e.g. max_num_seqs 1024 and 16k batched
             # tokens on an H100), not the serving defaults AsyncLLM would pick (128 and 2k).
-            self.llm = AsyncLLM.from_engine_args(args, usage_context=UsageContext.LLM_CLASS)
+            self.llm = AsyncLLM.from_engine_args(args, usage_context=UsageContext.LLM_CLASS, stat_loggers=stat_loggers)
             config = self.llm.vllm_config
         except Exception as exc:  # noqa: BLE001 - the engine's own reason is the message
             raise EngineStartError(
@@ -301,118 +227,16 @@ class VLLMEngine:
 
     # -- requests ----------------------------------------------------------------------------
 
-    def _structured_outputs(self, spec: Any):
-        from vllm.sampling_params import StructuredOutputsParams
-
-        if isinstance(spec, StructuredOutputsParams):
-            return spec
-        if not isinstance(spec, dict):
-            raise RowValidationError(f"structured_outputs must be a dict (e.g. {{'choice': [...]}}), got {type(spec).__name__}")
-        spec = {k: v for k, v in spec.items() if v is not None}
-        spec.pop("backend", None)  # legacy guided_decoding field; the engine picks the backend
-        known = [f for f in StructuredOutputsParams.__dataclass_fields__ if not f.startswith("_")]
-        for key in spec:
-            if key not in known:
-                raise RowValidationError(f"unknown structured_outputs key '{key}'{_suggest(key, known)}; known: {', '.join(known)}")
-        if "json" in spec:
-            schema = spec["json"]
-            if isinstance(schema, str):
-                try:
-                    schema = json.loads(schema)
-                except ValueError as exc:
-                    raise RowValidationError(f"structured_outputs.json is not valid JSON: {exc}") from exc
-            if not isinstance(schema, dict):
-                raise RowValidationError("structured_outputs.json must be a JSON schema object")
-            import jsonschema
-
-            try:
-                jsonschema.validators.validator_for(schema).check_schema(schema)
-            except jsonschema.SchemaError as exc:
-                raise RowValidationError(f"structured_outputs.json is not a valid JSON schema: {exc.message}") from exc
-            spec["json"] = schema
-        if "regex" in spec:
-            try:
-                re.compile(spec["regex"])
-            except (re.error, TypeError) as exc:
-                raise RowValidationError(f"structured_outputs.regex is not a valid regular expression: {exc}") from exc
-        if "choice" in spec:
-            choice = spec["choice"]
-            if not isinstance(choice, list) or not choice or not all(isinstance(c, str) for c in choice):
-                raise RowValidationError("structured_outputs.choice must be a non-empty list of strings")
-        try:
-            return StructuredOutputsParams(**spec)
-        except Exception as exc:  # noqa: BLE001
-            raise RowValidationError(f"invalid structured_outputs: {exc}") from exc
-
-    def sampling_params(self, raw: Any):
-        global _GUIDED_WARNED
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
-        if raw is None:
-            raw = {}
-        if not isinstance(raw, dict):
-            raise RowValidationError(f"sampling_params must be a dict, got {type(raw).__name__}")
-        sp = {k: v for k, v in to_python(raw).items() if v is not None}
-        if "guided_decoding" in sp:
-            if not _GUIDED_WARNED:
-                warnings.warn("sampling_params.guided_decoding is deprecated; use structured_outputs", DeprecationWarning, stacklevel=2)
-                logger.warning("sampling_params.guided_decoding is deprecated; use structured_outputs")
-                _GUIDED_WARNED = True
-            if "structured_outputs" in sp:
-                raise RowValidationError("sampling_params has both guided_decoding and structured_outputs; keep structured_outputs")
-            sp["structured_outputs"] = sp.pop("guided_decoding")
-        so = sp.pop("structured_outputs", None)
-        sp.pop("truncate_prompt_tokens", None)  # applied by the tokenize stage
-        known = [f for f in SamplingParams.__struct_fields__ if not f.startswith("_")]
-        for key in sp:
-            if key not in known or key == "output_kind":
-                raise RowValidationError(f"unknown sampling param '{key}'{_suggest(key, known)}")
-        check_types(sp)
-        if so is not None:
-            sp["structured_outputs"] = self._structured_outputs(so)
-            so = {k: v for k, v in vars(sp["structured_outputs"]).items() if not k.startswith("_") and v not in (None, False)}
-        try:
-            params = SamplingParams(**sp)
-        except Exception as exc:  # noqa: BLE001 - vLLM's own validation message names the field
-            raise RowValidationError(f"invalid sampling_params: {exc}") from exc
-        if self.max_model_len is not None and params.max_tokens is not None and params.max_tokens >= self.max_model_len:
-            raise RowValidationError(
-                f"max_tokens={params.max_tokens} cannot fit: max_model_len is {self.max_model_len}; lower max_tokens "
-                f"or raise engine_kwargs.max_model_len"
-            )
-        params.output_kind = RequestOutputKind.FINAL_ONLY
-        if (self.detokenize_after and "detokenize" not in sp and so is None and not params.stop
-                and params.logprobs is None and params.prompt_logprobs is None):
-            params.detokenize = False
-        return params, {**sp, "structured_outputs": so} if so else sp
-
-    def pooling_params(self, raw: Any):
-        from vllm import PoolingParams
-
-        raw = to_python(raw or {})
-        if not isinstance(raw, dict):
-            raise RowValidationError(f"pooling_params must be a dict, got {type(raw).__name__}")
-        known = [f for f in PoolingParams.__struct_fields__ if not f.startswith("_")]
-        for key in raw:
-            if key not in known:
-                raise RowValidationError(f"unknown pooling param '{key}'{_suggest(key, known)}")
-        task = {"generate": None, "embed": "embed", "classify": "classify", "score": "classify"}[self.task_type]
-        try:
-            return PoolingParams(**{"task": task, **raw}), raw
-        except Exception as exc:  # noqa: BLE001
-            raise RowValidationError(f"invalid pooling_params: {exc}") from exc
-
     def build_request(self, row: Row) -> Request:
         ids = row.get("tokenized_prompt")
         prompt_text = row.get("prompt")
         if ids is None and not (isinstance(prompt_text, str) and prompt_text.strip()):
             raise RowValidationError("the row has neither 'tokenized_prompt' nor a non-empty 'prompt'")
         if self.task_type == "generate":
-            params, canonical = self.sampling_params(row.get("sampling_params"))
+            params, canonical = sampling_params(row.get("sampling_params"), self.max_model_len, self.detokenize_after)
             deterministic = (params.temperature == 0 or params.seed is not None) and params.n == 1
         else:
-            params, canonical = self.pooling_params(row.get("pooling_params"))
+            params, canonical = pooling_params(row.get("pooling_params"), self.task_type)
             deterministic = True
         prompt: dict[str, Any]
         if ids is not None:
@@ -451,8 +275,6 @@ class VLLMEngine:
                 if self.dynamic_lora_loading_path:
                     path = os.path.join(self.dynamic_lora_loading_path, name)
                 if path.startswith(("s3://", "gs://")):
-                    from llmbatch.models import resolve_model
-
                     path = resolve_model(path)
                 if not os.path.isdir(path):
                     raise RowValidationError(

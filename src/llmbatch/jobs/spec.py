@@ -15,7 +15,6 @@ Relative paths are taken from the job file's folder.
 from __future__ import annotations
 
 import copy
-import hashlib
 import importlib
 import json
 import os
@@ -27,6 +26,7 @@ from typing import Any, Literal, Optional
 import yaml
 from pydantic import ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
+from llmbatch.builders import builder_for
 from llmbatch.config import (
     HttpRequestProcessorConfig,
     ProcessorConfig,
@@ -34,8 +34,9 @@ from llmbatch.config import (
     _Config,
     vLLMEngineProcessorConfig,
 )
-from llmbatch.errors import ConfigError
+from llmbatch.errors import ConfigError, did_you_mean
 from llmbatch.redact import expand_env, redact
+from llmbatch.rows import SAMPLING_PARAM_NAMES
 
 PROCESSOR_CONFIGS: dict[str, type[ProcessorConfig]] = {
     "vLLMEngineProcessorConfig": vLLMEngineProcessorConfig,
@@ -163,14 +164,10 @@ class JobSpec(_Config):
     @field_validator("sampling_params")
     @classmethod
     def _known_sampling_params(cls, value: dict[str, Any]) -> dict[str, Any]:
-        import difflib
-
-        from llmbatch.rows import SAMPLING_PARAM_NAMES
-
         for key in value:
             if key not in SAMPLING_PARAM_NAMES:
-                close = difflib.get_close_matches(key, sorted(SAMPLING_PARAM_NAMES), n=1, cutoff=0.6)
-                hint = f"; did you mean '{close[0]}'?" if close else ""
+                close = did_you_mean(key, sorted(SAMPLING_PARAM_NAMES))
+                hint = f"; did you mean '{close}'?" if close else ""
                 raise ValueError(f"unknown sampling param '{key}'{hint}")
         checks = {
             "temperature": lambda v: v >= 0,
@@ -232,8 +229,6 @@ def load_function(ref: str, python_path: list[str] | None = None):
     """Import ``module:function``; the module may be a file next to the job (it travels
     to the workers by value, so it need not be installed there). The job's folders are on
     ``sys.path`` only while the module is imported."""
-    import sys
-
     added = [folder for folder in python_path or [] if folder not in sys.path]
     sys.path[:0] = added
     module_name, _, func_name = ref.partition(":")
@@ -248,9 +243,6 @@ def load_function(ref: str, python_path: list[str] | None = None):
     fn = getattr(module, func_name, None)
     if not callable(fn):
         raise ConfigError(f"{ref!r}: module {module_name!r} has no function {func_name!r}")
-    from llmbatch.stages.user_fns import ship_by_value
-
-    ship_by_value(fn)
     return fn
 
 
@@ -326,7 +318,7 @@ def load_job(path: str | os.PathLike | None = None, overrides: list[str] | None 
     raw = copy.deepcopy(doc)
     spec = JobSpec(**expand_env(doc))
     spec._raw = raw
-    spec.processor_config()  # model section mistakes fail now
+    builder_for(spec.processor_config())  # model section mistakes and unsupported processors fail now
     return spec
 
 
@@ -344,147 +336,3 @@ def _merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
         elif value is not None:
             out[key] = value
     return out
-
-
-#: Settings that never change an answer (where and how fast it runs, what is reported); a job
-#: resumes across them silently.
-PLACEMENT_FIELDS = {
-    "accelerator_type", "runtime_env", "max_tasks_in_flight_per_actor", "log_engine_metrics",
-    "placement_group_config", "should_continue_on_error", "fuse_stages", "stall_timeout_s",
-}
-PLACEMENT_ENGINE_KWARGS = {"disable_log_stats", "enable_log_requests", "distributed_executor_backend"}
-#: Settings that change no request but can change a greedy answer in a near-tie, through how
-#: requests are batched and which kernels run (batch composition, parallelism, prefix reuse,
-#: CUDA graphs, answers copied by dedup). A job resumes across them with a warning, and
-#: job.json records the change.
-NUMERICS_FIELDS = {
-    "batch_size", "concurrency", "max_pending_requests", "max_concurrent_batches", "dedup_requests",
-    "sort_by_prefix",
-}
-NUMERICS_ENGINE_KWARGS = {
-    "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization", "kv_cache_memory_bytes", "enforce_eager",
-    "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "swap_space", "enable_prefix_caching",
-    "enable_chunked_prefill", "compilation_config", "block_size", "cpu_offload_gb",
-}
-_STAGE_RESOURCE_FIELDS = ("batch_size", "concurrency", "num_cpus", "memory", "runtime_env")
-
-
-def _module_sources(fn: Any, python_path: list[str]) -> dict[str, str]:
-    """sha256 of the source of ``fn``'s module and of every module loaded from the job's own
-    folders (its helpers and constants), by module name."""
-    folders = [os.path.realpath(f) for f in python_path]
-    names = {getattr(fn, "__module__", None)}
-    for name, module in list(sys.modules.items()):
-        origin = getattr(module, "__file__", None)
-        if origin and any(os.path.realpath(origin).startswith(f + os.sep) for f in folders):
-            names.add(name)
-    out = {}
-    for name in sorted(n for n in names if n):
-        origin = getattr(sys.modules.get(name), "__file__", None)
-        if origin and os.path.exists(origin):
-            with open(origin, "rb") as fh:
-                out[name] = hashlib.sha256(fh.read()).hexdigest()[:16]
-    return out
-
-
-def _function_identity(ref: str | None, python_path: list[str]) -> Any:
-    if ref is None:
-        return None
-    fn = load_function(ref, python_path)
-    sources = _module_sources(fn, python_path)
-    if not sources:  # a function without a source file: its compiled code and constants
-        import cloudpickle
-
-        sources = {"pickled": hashlib.sha256(cloudpickle.dumps(fn)).hexdigest()[:16]}
-    return {"ref": ref, "sources": sources}
-
-
-def model_fingerprint(source: str) -> Any:
-    """What identifies the model's content without loading it: for a local folder, its
-    config.json and the names and sizes of its weight and tokenizer files; for an offline
-    alias, the package that ships it; otherwise (hub id, object storage) the name itself."""
-    from llmbatch.models import ALIASES
-
-    if source in ALIASES:
-        return {"alias": source, "package": ALIASES[source].package}
-    path = os.path.expanduser(source)
-    if not os.path.isdir(path):
-        return {"name": source}
-    files = {}
-    for entry in sorted(os.scandir(path), key=lambda e: e.name):
-        if entry.is_file() and entry.name.endswith((".safetensors", ".bin", ".gguf", ".pt", ".model", ".json",
-                                                    ".txt", ".jinja", ".tiktoken")):
-            files[entry.name] = entry.stat().st_size
-    config = os.path.join(path, "config.json")
-    digest = None
-    if os.path.exists(config):
-        with open(config, "rb") as fh:
-            digest = hashlib.sha256(fh.read()).hexdigest()[:16]
-    return {"folder": os.path.abspath(path), "config_sha256": digest, "files": files}
-
-
-def _flat(nested: dict[str, Any]) -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-
-    def walk(prefix: str, value: Any) -> None:
-        if isinstance(value, dict) and value:
-            for k, v in value.items():
-                walk(f"{prefix}.{k}" if prefix else str(k), v)
-        else:
-            flat[prefix] = value
-
-    walk("", nested)
-    return flat
-
-
-def result_fields(spec: JobSpec) -> dict[str, Any]:
-    """The job settings that decide the answers, flattened to dotted keys.
-
-    Two runs with equal result fields and the same input give the same rows; ``resume``
-    refuses a job directory whose result fields differ from the job it is given.
-    """
-    skip = PLACEMENT_FIELDS | NUMERICS_FIELDS
-    model = {k: v for k, v in spec.model.processor_fields().items() if k not in skip}
-    skip_kwargs = PLACEMENT_ENGINE_KWARGS | NUMERICS_ENGINE_KWARGS
-    engine = {k: v for k, v in dict(model.pop("engine_kwargs", {}) or {}).items() if k not in skip_kwargs}
-    for stage in ("chat_template_stage", "tokenize_stage", "detokenize_stage", "prepare_multimodal_stage"):
-        value = model.get(stage)
-        if isinstance(value, dict):
-            model[stage] = {k: v for k, v in value.items() if k not in _STAGE_RESOURCE_FIELDS}
-    nested = {
-        "input": {"format": spec.input.format, "limit": spec.input.limit, "columns": spec.input.columns,
-                  "id_column": spec.input.id_column},
-        "model": {"source": spec.model.source, "processor": spec.model.processor, **model, "engine_kwargs": engine,
-                  "fingerprint": model_fingerprint(spec.model.source)},
-        "prompt": spec.prompt.model_dump() if spec.prompt else None,
-        "preprocess": _function_identity(spec.preprocess, spec.python_path),
-        "postprocess": _function_identity(spec.postprocess, spec.python_path),
-        "sampling_params": spec.sampling_params,
-    }
-    return _flat(nested)
-
-
-def numerics_fields(spec: JobSpec) -> dict[str, Any]:
-    """The settings that can change a greedy answer in a near-tie (see :data:`NUMERICS_FIELDS`)."""
-    fields = spec.model.processor_fields()
-    engine = dict(fields.get("engine_kwargs") or {})
-    return _flat({"model": {**{k: v for k, v in fields.items() if k in NUMERICS_FIELDS},
-                            "engine_kwargs": {k: v for k, v in engine.items() if k in NUMERICS_ENGINE_KWARGS}}})
-
-
-def config_hash(fields: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def diff_fields(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    """Human-readable differences between two result-field dicts."""
-    out = []
-    for key in sorted(set(old) | set(new)):
-        a, b = old.get(key), new.get(key)
-        if json_norm(a) != json_norm(b):
-            out.append(f"{key}: {a!r} -> {b!r}")
-    return out
-
-
-def json_norm(value: Any) -> Any:
-    return json.loads(json.dumps(value, sort_keys=True, default=str))

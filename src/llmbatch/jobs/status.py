@@ -6,16 +6,17 @@ running driver's ``progress.json``.
 
 from __future__ import annotations
 
-import collections
 import json
 import time
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from llmbatch.jobs.store import JobDir
-from llmbatch.rows import ERROR_COLUMN, ROW_ID, parse_error
+from llmbatch.jobs.tally import Tally
+from llmbatch.rows import ERROR_COLUMN, ROW_ID
 
 #: progress.json older than this while no driver holds the lock means the driver died.
 STALE_S = 30.0
@@ -25,24 +26,19 @@ def job_status(root: str | Path) -> dict[str, Any]:
     job = JobDir(root)
     meta = job.meta()
     running = job.is_running()
-    info: dict[str, Any] = {"job_dir": str(job.root), "rows_total": meta.get("rows")}
-    if not meta.get("staged"):
-        info.update(state="staging" if running else "not started", rows_total=0, rows_done=0, rows_ok=0,
+    info: dict[str, Any] = {"job_dir": str(job.root), "rows_total": meta.rows}
+    if not meta.ingested:
+        info.update(state="reading input" if running else "not started", rows_total=0, rows_done=0, rows_ok=0,
                     rows_error=0, rows_todo=0, errors_by_type={})
         return info
-    state = job.state(meta["rows"])
+    state = job.state(meta.rows)
     counts = state.counts()
-    errors_by_type: collections.Counter[str] = collections.Counter()
+    errors = Tally()
     for path in job.part_files():
         if ERROR_COLUMN not in pq.read_schema(path).names:
             continue
         t = pq.read_table(path, columns=[ROW_ID, ERROR_COLUMN])
-        index = job.part_index(path)
-        ids = t.column(0).to_numpy()
-        for rid, err in zip(ids, t.column(1).to_pylist()):
-            if err and state.latest[rid] == index:
-                stage, etype, _ = parse_error(err)
-                errors_by_type[f"{stage}: {etype}"] += 1
+        errors.add(t.filter(pa.array(state.latest[t.column(ROW_ID).to_numpy()] == job.part_index(path))))
     progress: dict[str, Any] = {}
     if job.progress_path.exists():
         try:
@@ -54,7 +50,7 @@ def job_status(root: str | Path) -> dict[str, Any]:
         stats = json.loads(job.stats_path.read_text())
     parts = job.part_files()
     parts_upto = job.part_index(parts[-1]) if parts else -1
-    output_current = (meta.get("finished") or {}).get("parts_upto") == parts_upto and not meta.get("finalizing")
+    output_current = (meta.finished or {}).get("parts_upto") == parts_upto and not meta.finalizing
     if running:
         label = "running"
     elif counts["todo"] == 0 and output_current:
@@ -73,7 +69,7 @@ def job_status(root: str | Path) -> dict[str, Any]:
         rows_ok=counts["ok"],
         rows_error=counts["errors"],
         rows_todo=counts["todo"],
-        errors_by_type=dict(errors_by_type),
+        errors_by_type=dict(errors.error_types),
         parts=len(job.part_files()),
     )
     if running and progress:

@@ -1,9 +1,9 @@
-"""The job directory: staged input, committed parts, state, and the final output.
+"""The job directory: its metadata, lock, input, committed parts and where every row stands.
 
 ```
 JOBDIR/job.json         resolved job, config hash, input fingerprint, row count
-JOBDIR/input/*.parquet  the input, staged once: row id + the row's columns (typed Arrow, or
-                        JSON text where the values have no one type; never a pickle)
+JOBDIR/input/*.parquet  the input, read once (jobs.ingest): row id + the row's columns (typed
+                        Arrow, or JSON text where the values have no one type; never a pickle)
 JOBDIR/parts/*.parquet  committed answers and error rows, immutable, numbered
 JOBDIR/errors.jsonl     one line per failed row (id, stage, error type, message, input)
 JOBDIR/stats.json       totals when a run ends; progress.json while it runs; log.txt
@@ -23,6 +23,7 @@ import fcntl
 import hashlib
 import json
 import os
+import shutil
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -33,44 +34,18 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from llmbatch.codec import rows_to_table, table_to_rows
 from llmbatch.errors import JobError
+from llmbatch.io.files import atomic_write_json, atomic_write_parquet
+from llmbatch.io.readers import open_input
+from llmbatch.jobs.meta import FORMAT_VERSION, JobMeta
 from llmbatch.redact import redact_text
-from llmbatch.io.readers import READ_ERROR, TextTypes, infer_format, read_rows
-from llmbatch.rows import ERROR_COLUMN, ROW_ID, is_missing, parse_error
+from llmbatch.rows import ERROR_COLUMN, ROW_ID, parse_error
 
-FORMAT_VERSION = 2  # 2: staged input as Arrow columns (1 pickled rows)
 LOCK_NAME = "lock"
-KEY_COLUMN = "__llmbatch_key"
-STAGE_ROWS = 20_000
 ERROR_ROW_CHARS = 2_000
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(str(path), os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-
-
-def atomic_write_json(path: Path, value: Any) -> None:
-    atomic_write_bytes(path, json.dumps(value, indent=2, default=str).encode())
-
-
 def file_sha256(path: str) -> str:
-    from llmbatch.io.readers import open_input
-
     digest = hashlib.sha256()
     with open_input(path) as fh:
         for block in iter(lambda: fh.read(1 << 20), b""):
@@ -149,14 +124,18 @@ class JobDir:
     def exists(self) -> bool:
         return self.meta_path.exists()
 
-    def meta(self) -> dict[str, Any]:
+    def meta(self) -> JobMeta:
         if not self.exists():
             raise JobError(f"{self.root} is not a job directory (no job.json)")
-        return json.loads(self.meta_path.read_text())
+        data = json.loads(self.meta_path.read_text())
+        if data.get("version") != FORMAT_VERSION:
+            raise JobError(f"{self.root} was made by another llmbatch format (v{data.get('version')}); "
+                           "use --force to start over")
+        return JobMeta.from_dict(data)
 
-    def write_meta(self, meta: dict[str, Any]) -> None:
+    def write_meta(self, meta: JobMeta) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(self.meta_path, meta)
+        atomic_write_json(self.meta_path, meta.to_dict())
 
     def log(self, message: str) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
@@ -165,8 +144,6 @@ class JobDir:
 
     def reset(self) -> None:
         """Delete everything the job left (``--force``), keeping the lock its caller holds."""
-        import shutil
-
         for entry in self.root.iterdir():
             if entry.name == LOCK_NAME:
                 continue
@@ -215,105 +192,10 @@ class JobDir:
             fcntl.flock(fh, fcntl.LOCK_UN)
         return False
 
-    # -- staging -----------------------------------------------------------------------------
+    # -- input -----------------------------------------------------------------------------
 
-    def staged_files(self) -> list[Path]:
+    def input_files(self) -> list[Path]:
         return sorted(self.input_dir.glob("part-*.parquet"))
-
-    @staticmethod
-    def staged_rows(path: Path, ids: np.ndarray | None = None) -> list[dict[str, Any]]:
-        """The rows of one staged file (only ``ids`` when given), as the processor gets them."""
-        table = pq.read_table(path)
-        if ids is not None:
-            table = table.filter(pa.array(np.isin(table.column(ROW_ID).to_numpy(), ids)))
-        rows = table_to_rows(table.drop_columns([KEY_COLUMN]))
-        for row in rows:
-            if not row.get(ERROR_COLUMN):
-                row.pop(ERROR_COLUMN, None)
-        return rows
-
-    def stage(self, path: str, fmt: str | None, columns: list[str] | None, limit: int | None,
-              id_column: str | None) -> dict[str, Any]:
-        """Read the input once into ``input/`` with stable row ids; returns what it learned.
-
-        Raises :class:`JobError` when ``id_column`` is missing or has duplicate values.
-        """
-        import shutil
-
-        if self.input_dir.exists():
-            shutil.rmtree(self.input_dir)
-        tmp_dir = self.root / ".input.tmp"
-        if tmp_dir.exists():
-            shutil.rmtree(tmp_dir)
-        tmp_dir.mkdir(parents=True)
-        next_id = 0
-        part = 0
-        keys: list[int] = []
-        seen_columns: dict[str, None] = {}
-        buffer: list[dict[str, Any]] = []
-
-        types = TextTypes() if (fmt or infer_format(path)) == "csv" else None
-
-        def flush() -> None:
-            nonlocal part, buffer
-            if not buffer:
-                return
-            keys_text = [_key_text(r, id_column) for r in buffer]
-            table = rows_to_table(buffer)
-            table = table.append_column(KEY_COLUMN, pa.array(keys_text, pa.string()))
-            _write_synced(table, tmp_dir / f"part-{part:05d}.parquet")
-            part += 1
-            buffer = []
-
-        for rows in read_rows(path, fmt, columns, limit):
-            for row in rows:
-                read_error = row.pop(READ_ERROR, "")
-                seen_columns.update(dict.fromkeys(row))
-                if types is not None and not read_error:
-                    types.add(row)
-                row[ROW_ID] = next_id
-                if read_error:
-                    row[ERROR_COLUMN] = read_error
-                if id_column is not None:
-                    if id_column not in row and not read_error:
-                        raise JobError(f"input.id_column {id_column!r} is not a column of the input; "
-                                       f"columns: {sorted(seen_columns)}")
-                    value = row.get(id_column)
-                    if is_missing(value) or value == "":
-                        row.setdefault(ERROR_COLUMN, f"read: MissingIdError: the id column {id_column!r} is empty in this row")
-                        keys.append(_hash(f"\0missing-{next_id}"))
-                    else:
-                        keys.append(_hash(str(value)))
-                next_id += 1
-                buffer.append(row)
-                if len(buffer) >= STAGE_ROWS:
-                    flush()
-        flush()
-        columns_list = list(seen_columns)
-        if id_column is not None and keys:
-            self._check_duplicates(np.asarray(keys, dtype=np.uint64), tmp_dir, id_column)
-        fsync_dir(tmp_dir)
-        os.replace(tmp_dir, self.input_dir)
-        fsync_dir(self.root)
-        return {"rows": next_id, "columns": columns_list,
-                "column_types": types.result(columns_list) if types is not None else {}}
-
-    def _check_duplicates(self, keys: np.ndarray, staged: Path, id_column: str) -> None:
-        uniq, counts = np.unique(keys, return_counts=True)
-        dup_hashes = set(uniq[counts > 1].tolist())
-        if not dup_hashes:
-            return
-        examples: dict[str, int] = {}
-        for f in sorted(staged.glob("part-*.parquet")):
-            for text in pq.read_table(f, columns=[KEY_COLUMN]).column(0).to_pylist():
-                if text is not None and _hash(text) in dup_hashes:
-                    examples[text] = examples.get(text, 0) + 1
-        shown = ", ".join(f"{k!r} ({n} rows)" for k, n in list(examples.items())[:5])
-        raise JobError(
-            f"input.id_column {id_column!r} has duplicate values: {shown}"
-            f"{' and more' if len(examples) > 5 else ''} ({len(dup_hashes)} duplicated ids in all). "
-            "Ids must be unique: fix the input, pick another id_column, or drop id_column to use row positions."
-        )
 
     # -- parts -------------------------------------------------------------------------------
 
@@ -336,16 +218,13 @@ class JobDir:
             files = self.part_files()
             self._next_part = self.part_index(files[-1]) + 1 if files else 0
         path = self.parts_dir / f"part-{self._next_part:06d}.parquet"
-        tmp = self.parts_dir / f".{path.name}.tmp"
-        _write_synced(table, tmp)
-        os.replace(tmp, path)
-        fsync_dir(self.parts_dir)
+        atomic_write_parquet(table, path)
         self._next_part += 1
         return path
 
     def state(self, rows: int | None = None) -> State:
         """Scan the parts (ids and error flags only) into a :class:`State`."""
-        rows = self.meta()["rows"] if rows is None else rows
+        rows = self.meta().rows if rows is None else rows
         latest = np.full(rows, -1, dtype=np.int32)
         error = np.zeros(rows, dtype=bool)
         for path in self.part_files():
@@ -366,14 +245,6 @@ class JobDir:
                 yield table, mask
 
 
-def _write_synced(table: pa.Table, path: Path) -> None:
-    """Write a Parquet file and fsync it before anyone may rely on it."""
-    with open(path, "wb") as fh:
-        pq.write_table(table, fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-
-
 def read_part_state(path: Path) -> tuple[np.ndarray, np.ndarray]:
     """(row ids, is-error flags) of a committed part; a part without an error column (written
     by an older llmbatch with postprocess and continue_on_error off) holds answered rows."""
@@ -384,17 +255,6 @@ def read_part_state(path: Path) -> tuple[np.ndarray, np.ndarray]:
     if ERROR_COLUMN not in names:
         return ids, np.zeros(len(ids), dtype=bool)
     return ids, np.array([bool(e) for e in t.column(ERROR_COLUMN).to_pylist()], dtype=bool)
-
-
-def _hash(text: str) -> int:
-    return int.from_bytes(hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "little")
-
-
-def _key_text(row: dict[str, Any], id_column: str | None) -> str | None:
-    if id_column is None:
-        return str(row[ROW_ID])
-    value = row.get(id_column)
-    return None if is_missing(value) else str(value)
 
 
 def error_record(row: dict[str, Any], id_value: Any, input_columns: list[str]) -> dict[str, Any]:

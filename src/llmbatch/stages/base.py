@@ -7,8 +7,9 @@ overrides :meth:`Stage.__call__` to stream rows out as they finish.
 
 Errors are per row. A row whose processing raises becomes an error row (its
 ``__inference_error__`` says ``"<stage>: <ErrorType>: <message>"``) and skips every later
-stage; when the processor does not continue on error, the first such row fails the run with a
-:class:`~llmbatch.errors.RowError` carrying the same text and the row id.
+stage. Stages only mark rows; when the processor does not continue on error, the runner
+fails the run at the first error row with a :class:`~llmbatch.errors.RowError` carrying the
+same text and the row id.
 """
 
 from __future__ import annotations
@@ -16,8 +17,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import ClassVar
 
-from llmbatch.errors import RowError
-from llmbatch.rows import ERROR_COLUMN, Row, describe_row, error_text, is_error
+from llmbatch.rows import ERROR_COLUMN, Row, error_text, is_error
 
 
 class Stage:
@@ -31,8 +31,7 @@ class Stage:
     #: Alternative key sets: a row must have at least one key of each tuple.
     required_any: ClassVar[tuple[tuple[str, ...], ...]] = ()
 
-    def __init__(self, continue_on_error: bool = False):
-        self.continue_on_error = continue_on_error
+    def __init__(self):
         self._ready = False
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -55,13 +54,8 @@ class Stage:
     # -- errors ------------------------------------------------------------------------------
 
     def fail(self, row: Row, exc: BaseException, stage: str | None = None) -> Row:
-        """Mark ``row`` as failed in this stage (or the named step of it), or raise when
-        errors are not kept."""
-        stage = stage or self.name
-        if not self.continue_on_error:
-            message = str(exc).strip() or repr(exc)
-            raise RowError(stage, type(exc).__name__, message, describe_row(row)) from exc
-        row[ERROR_COLUMN] = error_text(stage, exc)
+        """Mark ``row`` as failed in this stage (or the named step of it); returns it."""
+        row[ERROR_COLUMN] = error_text(stage or self.name, exc)
         return row
 
     def missing_keys(self, row: Row) -> list[str]:
@@ -95,8 +89,6 @@ class Stage:
         for row in rows:
             try:
                 self.process_row(row)
-            except RowError:
-                raise
             except Exception as exc:  # noqa: BLE001 - any failure of one row is that row's error
                 self.fail(row, exc)
 

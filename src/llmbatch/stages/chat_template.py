@@ -4,53 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from llmbatch.errors import RowValidationError
-from llmbatch.rows import ADD_SPECIAL_TOKENS, Row
-from llmbatch.stages.base import Stage
 from llmbatch.models import load_tokenizer
-
-ROLES = ("system", "user", "assistant", "tool", "developer", "function")
-TEXT_PART_TYPES = ("text", "input_text")
-
-
-def normalize_messages(messages: Any) -> list[dict[str, Any]]:
-    """Check the shape of OpenAI-style ``messages`` and flatten text-only part lists.
-
-    Raises :class:`RowValidationError` naming the message and the problem.
-    """
-    if isinstance(messages, dict):
-        raise RowValidationError("'messages' must be a list of {'role', 'content'} dicts, not one dict; wrap it in a list")
-    if not isinstance(messages, (list, tuple)):
-        raise RowValidationError(f"'messages' must be a list of {{'role', 'content'}} dicts, got {type(messages).__name__}")
-    if not messages:
-        raise RowValidationError("'messages' is empty; give at least one message")
-    out = []
-    for i, msg in enumerate(messages):
-        if not isinstance(msg, dict):
-            raise RowValidationError(f"messages[{i}] must be a dict with 'role' and 'content', got {type(msg).__name__}")
-        role = msg.get("role")
-        if role not in ROLES:
-            raise RowValidationError(f"messages[{i}] has role {role!r}; use one of {', '.join(ROLES)}")
-        if "content" not in msg:
-            raise RowValidationError(f"messages[{i}] has no 'content'")
-        content = msg["content"]
-        if isinstance(content, (list, tuple)):
-            parts = []
-            for j, part in enumerate(content):
-                if not isinstance(part, dict) or "type" not in part:
-                    raise RowValidationError(f"messages[{i}].content[{j}] must be a dict with a 'type'")
-                parts.append(part)
-            if all(p["type"] in TEXT_PART_TYPES for p in parts):
-                content = "\n".join(str(p.get("text", "")) for p in parts)
-            else:
-                content = parts
-        elif content is None:
-            if role != "assistant":
-                raise RowValidationError(f"messages[{i}] ({role}) has no content")
-        elif not isinstance(content, str):
-            raise RowValidationError(f"messages[{i}].content must be a string or a list of parts, got {type(content).__name__}")
-        out.append({**msg, "content": content})
-    return out
+from llmbatch.rows import ADD_SPECIAL_TOKENS, Row, normalize_messages
+from llmbatch.stages.base import Stage
 
 
 class ChatTemplateStage(Stage):
@@ -61,9 +17,8 @@ class ChatTemplateStage(Stage):
     required_any = (("messages", "prompt"),)
 
     def __init__(self, model_source: str, chat_template: str | None = None,
-                 chat_template_kwargs: dict[str, Any] | None = None, trust_remote_code: bool = False,
-                 continue_on_error: bool = False):
-        super().__init__(continue_on_error)
+                 chat_template_kwargs: dict[str, Any] | None = None, trust_remote_code: bool = False):
+        super().__init__()
         self.model_source = model_source
         self.chat_template = chat_template
         self.chat_template_kwargs = dict(chat_template_kwargs or {})

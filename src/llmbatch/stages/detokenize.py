@@ -11,8 +11,8 @@ from llmbatch.stages.base import Stage
 class DetokenizeStage(Stage):
     name = "detokenize"
 
-    def __init__(self, model_source: str, trust_remote_code: bool = False, continue_on_error: bool = False):
-        super().__init__(continue_on_error)
+    def __init__(self, model_source: str, trust_remote_code: bool = False):
+        super().__init__()
         self.model_source = model_source
         self.trust_remote_code = trust_remote_code
         self.tokenizer = None

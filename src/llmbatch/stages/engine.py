@@ -50,9 +50,8 @@ class EngineStage(Stage):
 
     def __init__(self, engine: Engine, *, max_pending_requests: int | None = None, dedup: bool = True,
                  sort_by_prefix: bool = True, max_attempts: int = 3, flush_rows: int = 16,
-                 flush_seconds: float = 0.5, structured_output_errors: str = "error",
-                 continue_on_error: bool = False):
-        super().__init__(continue_on_error)
+                 flush_seconds: float = 0.5, structured_output_errors: str = "error"):
+        super().__init__()
         self.structured_output_errors = structured_output_errors
         self.engine = engine
         self.max_pending_requests = max_pending_requests

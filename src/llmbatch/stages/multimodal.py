@@ -92,14 +92,9 @@ class PrepareMultimodalStage(Stage):
 
     name = "prepare_multimodal"
 
-    def __init__(self, model_source: str, model_config_kwargs: dict[str, Any] | None = None,
-                 content_format: str | None = "string", continue_on_error: bool = False,
-                 policy: MediaPolicy | None = None):
-        super().__init__(continue_on_error)
+    def __init__(self, policy: MediaPolicy | None = None):
+        super().__init__()
         self.policy = policy or MediaPolicy()
-        self.model_source = model_source
-        self.model_config_kwargs = model_config_kwargs or {}
-        self.content_format = content_format or "string"
 
     def process_row(self, row: Row) -> None:
         images = []

@@ -20,9 +20,18 @@ from typing import Any
 import pyarrow as pa
 
 from llmbatch.codec import decode_rows, empty_engine_output, encode_rows, rows_to_table
-from llmbatch.rows import ERROR_COLUMN, PRIVATE_PREFIX, Row, is_error
+from llmbatch.errors import RowError
+from llmbatch.rows import (
+    ERROR_COLUMN,
+    PRIVATE_PREFIX,
+    Row,
+    describe_row,
+    is_error,
+    parse_error,
+)
 from llmbatch.stages.base import Stage
 from llmbatch.stages.user_fns import PostprocessStage, default_output
+from llmbatch.watchdog import Heartbeat
 
 logger = logging.getLogger(__name__)
 
@@ -57,25 +66,24 @@ class StageRunner:
     """A Ray Data callable class that runs ``stages`` over each batch (see module docstring).
 
     ``sink``: this is the last operator; rows leave as the user's output rows: typed columns,
-    or, with ``sink_rows``, still encoded (the job driver types them when it commits).
+    or, with ``encoded_output``, still encoded (the job driver types them when it commits).
+    ``continue_on_error``: error rows travel on as rows; off, the first one fails the run.
     ``keep_private``: private keys to keep in the sink's output (the job layer's row ids).
     """
 
-    def __init__(self, stages: list[Stage], *, sink: bool = False, sink_rows: bool = False,
-                 task_type: str = "generate", include_error_column: bool = True,
+    def __init__(self, stages: list[Stage], *, sink: bool = False, encoded_output: bool = False,
+                 task_type: str = "generate", continue_on_error: bool = True,
                  keep_private: tuple[str, ...] = (), run_id: str | None = None, role: str = ""):
         self.stages = stages
         self.sink = sink
-        self.sink_rows = sink_rows
+        self.encoded_output = encoded_output
         self._json_columns: set[str] = set()
         self.task_type = task_type
-        self.include_error_column = include_error_column
+        self.continue_on_error = continue_on_error
         self.keep_private = keep_private
         self._started = False
         self._heartbeat = None
         if run_id is not None:
-            from llmbatch.watchdog import Heartbeat
-
             self._heartbeat = Heartbeat(run_id, role, self._probe).start()
         self._loop = _LoopThread()
         for stage in stages:
@@ -108,8 +116,8 @@ class StageRunner:
             return out
         if any(isinstance(s, PostprocessStage) for s in self.stages):
             out = {k: v for k, v in row.items() if not k.startswith(PRIVATE_PREFIX)}
-            # a job's driver (sink_rows) reads every row's error column: it is the row's state
-            if not self.include_error_column and not self.sink_rows:
+            # a job's driver (encoded output) reads every row's error column: the row's state
+            if not self.continue_on_error and not self.encoded_output:
                 out.pop(ERROR_COLUMN, None)
         else:
             out = default_output(row)
@@ -117,12 +125,21 @@ class StageRunner:
         out.update(private)
         return out
 
+    def _stop_at_errors(self, chunk: list[Row]) -> None:
+        """Without continue_on_error, the first error row fails the run, naming the row."""
+        failed = next((r for r in chunk if is_error(r)), None)
+        if failed is not None:
+            stage, error_type, message = parse_error(failed[ERROR_COLUMN])
+            raise RowError(stage, error_type, message, describe_row(failed))
+
     def __call__(self, batch: pa.Table) -> Iterator[pa.Table]:
         rows = decode_rows(batch)
         for chunk in self._loop.iterate(self._chain(rows, 0)):
             if not chunk:
                 continue
-            if self.sink and self.sink_rows:
+            if not self.continue_on_error:
+                self._stop_at_errors(chunk)
+            if self.sink and self.encoded_output:
                 yield encode_rows([self._output_row(r) for r in chunk])
             elif self.sink:
                 yield rows_to_table([self._output_row(r) for r in chunk], self._json_columns)

@@ -10,11 +10,8 @@ from __future__ import annotations
 
 from llmbatch.errors import PromptTooLongError, RowValidationError
 from llmbatch.models import load_tokenizer, model_max_len, resolve_model
-from llmbatch.rows import ADD_SPECIAL_TOKENS, Row
+from llmbatch.rows import ADD_SPECIAL_TOKENS, DEFAULT_MAX_TOKENS, Row
 from llmbatch.stages.base import Stage
-
-#: vLLM's max_tokens when a row does not say.
-DEFAULT_MAX_TOKENS = 16
 
 
 class TokenizeStage(Stage):
@@ -25,8 +22,8 @@ class TokenizeStage(Stage):
     required_keys = ("prompt",)
 
     def __init__(self, model_source: str, max_model_len: int | None = None, trust_remote_code: bool = False,
-                 continue_on_error: bool = False, generate: bool = True):
-        super().__init__(continue_on_error)
+                 generate: bool = True):
+        super().__init__()
         self.model_source = model_source
         self.max_model_len = max_model_len
         self.trust_remote_code = trust_remote_code

@@ -1,0 +1,173 @@
+"""Builders: a processor config in, a :class:`~llmbatch.processor.Processor` out.
+
+``build_processor(config, preprocess=..., postprocess=...)`` finds the builder registered for
+the config's type and resolves the config once into a typed
+:class:`~llmbatch.processor.Layout` (stages, pools, resources). Building has no side effects:
+no ``ray.init``, no downloads, nothing global. A config that no builder can run fails here,
+before any work.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from typing import Any
+
+from llmbatch.config import (
+    HttpRequestProcessorConfig,
+    ProcessorConfig,
+    SGLangEngineProcessorConfig,
+    vLLMEngineProcessorConfig,
+)
+from llmbatch.engines.vllm import VLLMEngine
+from llmbatch.errors import ConfigError, MissingDependencyError
+from llmbatch.processor import Layout, Processor, StageSpec
+from llmbatch.stages.base import Stage
+from llmbatch.stages.chat_template import ChatTemplateStage
+from llmbatch.stages.detokenize import DetokenizeStage
+from llmbatch.stages.engine import EngineStage
+from llmbatch.stages.multimodal import MediaPolicy, PrepareMultimodalStage
+from llmbatch.stages.tokenize import TokenizeStage
+from llmbatch.stages.user_fns import PostprocessStage, PreprocessStage
+
+UserFn = Callable[[dict[str, Any]], dict[str, Any]]
+
+Builder = Callable[..., Processor]
+_REGISTRY: dict[type, Builder] = {}
+
+
+def register(config_type: type) -> Callable[[Builder], Builder]:
+    """Register the builder of processors for ``config_type``."""
+
+    def deco(fn: Builder) -> Builder:
+        _REGISTRY[config_type] = fn
+        return fn
+
+    return deco
+
+
+def builder_for(config: ProcessorConfig) -> Builder:
+    """The builder for ``config``; a config no builder can run fails here, before any work."""
+    if isinstance(config, SGLangEngineProcessorConfig):
+        if importlib.util.find_spec("sglang") is None:
+            raise MissingDependencyError("SGLangEngineProcessorConfig", "llmbatch[sglang]")
+        raise ConfigError("the SGLang engine is not supported by this llmbatch version yet; "
+                          "use vLLMEngineProcessorConfig")
+    if isinstance(config, HttpRequestProcessorConfig) and HttpRequestProcessorConfig not in _REGISTRY:
+        raise ConfigError("HttpRequestProcessorConfig is not supported by this llmbatch version yet")
+    for cls in type(config).__mro__:
+        if cls in _REGISTRY:
+            return _REGISTRY[cls]
+    raise ConfigError(f"no processor for {type(config).__name__}; known: {', '.join(c.__name__ for c in _REGISTRY)}")
+
+
+def build_processor(config: ProcessorConfig, preprocess: UserFn | None = None,
+                    postprocess: UserFn | None = None, *, preprocess_map_kwargs: dict[str, Any] | None = None,
+                    postprocess_map_kwargs: dict[str, Any] | None = None, builder_kwargs: dict[str, Any] | None = None,
+                    **kwargs: Any) -> Processor:
+    """Build a processor for ``config`` (Ray's ``build_processor``/``build_llm_processor``).
+
+    ``preprocess(row) -> dict`` returns the request fields (``messages`` or ``prompt``,
+    ``sampling_params``...); ``postprocess(row) -> dict`` returns the output row.
+    """
+    builder = builder_for(config)
+    return builder(config, preprocess=preprocess, postprocess=postprocess, preprocess_map_kwargs=preprocess_map_kwargs,
+                   postprocess_map_kwargs=postprocess_map_kwargs, **{**(builder_kwargs or {}), **kwargs})
+
+
+build_llm_processor = build_processor
+
+
+@register(vLLMEngineProcessorConfig)
+def build_vllm_processor(config: vLLMEngineProcessorConfig, *, preprocess: UserFn | None = None,
+                         postprocess: UserFn | None = None, preprocess_map_kwargs: dict[str, Any] | None = None,
+                         postprocess_map_kwargs: dict[str, Any] | None = None,
+                         chat_template_kwargs: dict[str, Any] | None = None,
+                         keep_private: tuple[str, ...] = (), encoded_output: bool = False) -> Processor:
+    """The vLLM processor: [preprocess] -> [multimodal] -> chat template -> tokenize -> vLLM ->
+    detokenize -> [postprocess]."""
+    trust = bool(config.engine_kwargs.get("trust_remote_code", False))
+    generate = config.task_type == "generate"
+    pre: list[StageSpec] = []
+    if preprocess is not None:
+        pre.append(StageSpec(PreprocessStage(preprocess), None, preprocess_map_kwargs))
+    mm = config.prepare_multimodal_stage
+    if mm.enabled:
+        policy = MediaPolicy(config.engine_kwargs.get("allowed_local_media_path"),
+                             config.engine_kwargs.get("allowed_media_domains"))
+        pre.append(StageSpec(PrepareMultimodalStage(policy), mm))
+    ct = config.chat_template_stage
+    if ct.enabled:
+        pre.append(StageSpec(ChatTemplateStage(ct.model_source or config.model_source, ct.chat_template,
+                                               {**(chat_template_kwargs or {}), **(ct.chat_template_kwargs or {})},
+                                               trust), ct))
+    tk = config.tokenize_stage
+    if tk.enabled:
+        max_len = config.engine_kwargs.get("max_model_len")
+        pre.append(StageSpec(TokenizeStage(tk.model_source or config.model_source,
+                                           int(max_len) if max_len is not None else None, trust, generate=generate), tk))
+    engine_kwargs = dict(config.engine_kwargs)
+    remote_fn = None
+    if config.placement_group_config:
+        remote_fn = _placement_group_fn(config)
+        # the replica's workers live in its placement group: vLLM places them through Ray
+        engine_kwargs.setdefault("distributed_executor_backend", "ray")
+    lo, hi = config.concurrency_range()
+    engine = EngineStage(
+        VLLMEngine(config.model_source, engine_kwargs, config.task_type, config.dynamic_lora_loading_path,
+                   replicas_per_node=hi, detokenize_after=config.detokenize_stage.enabled and generate,
+                   log_metrics=config.log_engine_metrics),
+        max_pending_requests=config.max_pending_requests,
+        dedup=config.dedup_requests,
+        sort_by_prefix=config.sort_by_prefix,
+        flush_rows=max(1, min(64, config.batch_size // 4)),
+        structured_output_errors=config.resolved_structured_output_errors(),
+    )
+    post: list[StageSpec] = []
+    dt = config.detokenize_stage
+    if dt.enabled and generate:
+        post.append(StageSpec(DetokenizeStage(dt.model_source or config.model_source, trust), dt))
+    if postprocess is not None:
+        post.append(StageSpec(PostprocessStage(postprocess), None, postprocess_map_kwargs))
+    if not post:
+        post.append(StageSpec(_Passthrough(), None))
+    layout = Layout(
+        pre=pre, engine=engine, post=post, batch_size=config.batch_size, concurrency=(lo, hi),
+        task_type=config.task_type, continue_on_error=config.should_continue_on_error, fuse=config.fuse_stages,
+        devices_per_replica=config.devices_per_replica(), accelerator_type=config.accelerator_type,
+        runtime_env=config.runtime_env, max_concurrent_batches=config.resolved_max_concurrent_batches(),
+        max_tasks_in_flight=config.max_tasks_in_flight_per_actor, engine_remote_args_fn=remote_fn,
+        stall_timeout_s=config.stall_timeout_s, keep_private=keep_private, encoded_output=encoded_output)
+    return Processor(config, layout)
+
+
+class _Passthrough(Stage):
+    """The last operator when nothing else runs after the engine: shapes the output rows."""
+
+    name = "output"
+
+    def process_row(self, row) -> None:
+        return None
+
+
+def _placement_group_fn(config: vLLMEngineProcessorConfig) -> Callable[[], dict[str, Any]]:
+    """A fresh placement group per replica (Ray's ``placement_group_config``)."""
+    pg_config = dict(config.placement_group_config or {})
+    n = config.devices_per_replica()
+    accelerator = config.accelerator_type
+
+    def remote_args() -> dict[str, Any]:
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        if "bundles" in pg_config:
+            bundles = [dict(b) for b in pg_config["bundles"]]
+        else:
+            bundles = [dict(pg_config["bundle_per_worker"]) for _ in range(n)]
+        if accelerator:
+            for b in bundles:
+                b[f"accelerator_type:{accelerator}"] = 0.001
+        pg = ray.util.placement_group(bundles, strategy=pg_config.get("strategy", "PACK"))
+        return {"scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_capture_child_tasks=True)}
+
+    return remote_args

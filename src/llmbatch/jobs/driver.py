@@ -1,0 +1,237 @@
+"""Driving a job's processor: passes over the rows still to do, committing as answers arrive.
+
+The driver reads the processor's output stream and commits it in parts; rows that arrive twice
+(a task retried after a replica died) are dropped, and rows that never arrive are run again in
+a follow-up pass, so every input id ends up exactly once in the output or in errors.jsonl.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from llmbatch.builders import build_processor
+from llmbatch.cluster import ensure_ray
+from llmbatch.codec import decode_rows, encode_rows, rows_to_table
+from llmbatch.errors import EngineStartError, JobError, LLMBatchError, RowError
+from llmbatch.io.writers import conform, unify_schema
+from llmbatch.jobs.ingest import INGEST_ROWS, input_rows
+from llmbatch.jobs.meta import JobMeta
+from llmbatch.jobs.prompts import job_preprocess
+from llmbatch.jobs.spec import JobSpec, load_function
+from llmbatch.jobs.store import JobDir
+from llmbatch.jobs.tally import Tally
+from llmbatch.processor import Processor
+from llmbatch.progress import Progress
+from llmbatch.rows import ERROR_COLUMN, PRIVATE_PREFIX, ROW_ID, STATS
+
+logger = logging.getLogger(__name__)
+
+#: Follow-up passes for rows lost in flight (a replica killed mid-batch) before they are
+#: recorded as error rows.
+MAX_PASSES = 3
+
+
+def build_job_processor(spec: JobSpec) -> Processor:
+    """The processor a job runs: the spec's model, its prompt as preprocess, and the job's
+    private columns (row id, per-row engine facts) kept for the driver."""
+    post = load_function(spec.postprocess, spec.python_path) if spec.postprocess else None
+    return build_processor(spec.processor_config(), preprocess=job_preprocess(spec), postprocess=post,
+                           keep_private=(ROW_ID, STATS), encoded_output=True)
+
+
+class Committer:
+    """Buffers the output stream and commits it in parts; drops rows already committed."""
+
+    def __init__(self, job: JobDir, done: np.ndarray, progress: Progress, commit_rows: int, commit_seconds: float):
+        self.job = job
+        self.done = done
+        self.progress = progress
+        self.commit_rows = commit_rows
+        self.commit_seconds = commit_seconds
+        self.buffer: list[pa.Table] = []
+        self.buffered = 0
+        self.last_commit = time.monotonic()
+        self.duplicates = 0
+        self.json_columns: set[str] = {"messages"}
+
+    def add(self, encoded: pa.Table) -> None:
+        if encoded.num_rows == 0:
+            return
+        table = rows_to_table(decode_rows(encoded), self.json_columns)
+        self.progress.arrived()
+        ids = table.column(ROW_ID).to_numpy()
+        fresh = ~self.done[ids]
+        _, first = np.unique(ids, return_index=True)
+        once = np.zeros(len(ids), dtype=bool)
+        once[first] = True
+        keep = fresh & once
+        self.duplicates += int((~keep).sum())
+        if not keep.all():
+            table = table.filter(pa.array(keep))
+        if table.num_rows == 0:
+            return
+        self.done[table.column(ROW_ID).to_numpy()] = True
+        self.buffer.append(table)
+        self.buffered += table.num_rows
+        if self.buffered >= self.commit_rows or time.monotonic() - self.last_commit >= self.commit_seconds:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.buffer:
+            return
+        try:
+            table = pa.concat_tables(self.buffer, promote_options="permissive")
+        except (pa.ArrowInvalid, pa.ArrowTypeError):
+            names = list(dict.fromkeys(n for t in self.buffer for n in t.column_names))
+            schema = unify_schema([t.schema for t in self.buffer], names)
+            table = pa.concat_tables([conform(t, schema) for t in self.buffer])
+        self.job.commit(table)
+        self.buffer = []
+        self.buffered = 0
+        self.last_commit = time.monotonic()
+        self.progress.add(**Tally.of(table).progress_counts())
+
+
+def todo_dataset(job: JobDir, meta: JobMeta, todo: np.ndarray):
+    """The input rows still to do, as a Ray Dataset of encoded rows (one block per input
+    file; the processor cuts it into blocks of one engine batch)."""
+    import ray
+    import ray.data
+
+    per_file = meta.ingest_rows or INGEST_ROWS
+    files = []
+    for path in job.input_files():
+        k = int(path.stem.split("-")[1])
+        if todo[k * per_file:(k + 1) * per_file].any():
+            files.append(str(path))
+    todo_ref = ray.put(todo)
+
+    def load(batch: pa.Table) -> pa.Table:
+        mask = _todo_mask(todo_ref)
+        rows = [row for path in batch.column("path").to_pylist() for row in input_rows(Path(path)) if mask[row[ROW_ID]]]
+        return encode_rows(rows)
+
+    ds = ray.data.from_items([{"path": f} for f in files], override_num_blocks=max(1, len(files)))
+    return ds.map_batches(load, batch_size=1, batch_format="pyarrow", zero_copy_batch=True)
+
+
+_TODO_CACHE: dict[str, np.ndarray] = {}
+
+
+def _todo_mask(ref) -> np.ndarray:
+    import ray
+
+    key = ref.hex()
+    if key not in _TODO_CACHE:
+        _TODO_CACHE.clear()
+        _TODO_CACHE[key] = ray.get(ref)
+    return _TODO_CACHE[key]
+
+
+def _run_pass(job: JobDir, spec: JobSpec, meta: JobMeta, todo: np.ndarray, done: np.ndarray,
+              progress: Progress) -> None:
+    out = build_job_processor(spec)(todo_dataset(job, meta, todo))
+    committer = Committer(job, done, progress, spec.commit_rows, spec.commit_seconds)
+    try:
+        for table in out.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=1):
+            committer.add(table)
+    finally:
+        committer.flush()
+        if committer.duplicates:
+            job.log(f"dropped {committer.duplicates} repeated rows (retried tasks)")
+
+
+def explain_failure(exc: BaseException) -> LLMBatchError | None:
+    """The llmbatch error behind a pipeline failure (Ray wraps errors raised in workers)."""
+    seen = set()
+    todo = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, LLMBatchError):
+            return e
+        todo.extend([getattr(e, "cause", None), e.__cause__, e.__context__])
+    text = str(exc)
+    for name, cls in (("EngineStartError", EngineStartError), ("RowError", RowError)):
+        marker = f"{name}: "
+        if marker in text:
+            detail = text.split(marker, 1)[1].strip().splitlines()[0]
+            return cls(detail) if cls is EngineStartError else JobError(f"a row failed: {detail}")
+    return None
+
+
+def _record_lost(job: JobDir, missing: np.ndarray, done: np.ndarray, progress: Progress) -> None:
+    """Rows that never came back after every pass: error rows, so nothing is silently lost."""
+    ids = np.flatnonzero(missing)
+    message = f"engine: RowLostError: the row did not come back after {MAX_PASSES} passes (replicas kept failing)"
+    rows = []
+    for path in job.input_files():
+        for row in input_rows(path, ids):
+            row[ERROR_COLUMN] = message
+            rows.append({k: v for k, v in row.items() if not k.startswith(PRIVATE_PREFIX) or k == ROW_ID})
+    if rows:
+        table = rows_to_table(rows)
+        job.commit(table)
+        done[ids] = True
+        progress.add(**Tally.of(table).progress_counts())
+
+
+@contextlib.contextmanager
+def quiet_ray_data() -> Iterator[None]:
+    """Ray Data's own progress bars, issue detectors and info logs off while the job shows its
+    own progress; everything is put back after."""
+    import ray.data
+
+    ctx = ray.data.DataContext.get_current()
+    saved = (ctx.enable_progress_bars, list(ctx.issue_detectors_config.detectors))
+    loggers = {name: logging.getLogger(name) for name in ("ray.data", "ray.data._internal.progress")}
+    levels = {name: lg.level for name, lg in loggers.items()}
+    ctx.enable_progress_bars = False
+    ctx.issue_detectors_config.detectors = []
+    loggers["ray.data"].setLevel(logging.WARNING)
+    loggers["ray.data._internal.progress"].setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        ctx.enable_progress_bars, ctx.issue_detectors_config.detectors = saved
+        for name, lg in loggers.items():
+            lg.setLevel(levels[name])
+
+
+def execute(job_dir: JobDir, spec: JobSpec, meta: JobMeta, todo: np.ndarray, done: np.ndarray,
+            progress: Progress) -> None:
+    """Run passes until every row is committed (or recorded as lost); translate failures."""
+    # worker output (engine start-up chatter) goes to Ray's log files, not the terminal
+    ensure_ray(log_to_driver=False)
+    with quiet_ray_data():
+        for attempt in range(MAX_PASSES):
+            if attempt:
+                job_dir.log(f"pass {attempt + 1}: {int(todo.sum())} rows did not come back; running them again")
+            try:
+                _run_pass(job_dir, spec, meta, todo, done, progress)
+            except KeyboardInterrupt:
+                raise
+            except Exception as exc:  # noqa: BLE001 - translated when we know what it is
+                explained = explain_failure(exc)
+                if explained is None:
+                    job_dir.log(f"failed: {type(exc).__name__}: {exc}")
+                    raise
+                if isinstance(explained, RowError):
+                    explained = JobError(
+                        f"the job stopped at a bad row (continue_on_error is off): {explained}. Rows answered "
+                        "before it are committed; fix the row or set continue_on_error: true, then resume.")
+                job_dir.log(f"failed: {explained}")
+                raise explained from exc
+            todo = ~done
+            if not todo.any():
+                return
+        _record_lost(job_dir, todo, done, progress)

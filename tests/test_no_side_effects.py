@@ -1,0 +1,105 @@
+"""Building and running change nothing global, and no surface pretends to work."""
+
+from __future__ import annotations
+
+import csv
+import logging
+import pickle
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from llmbatch import build_processor, vLLMEngineProcessorConfig
+from llmbatch.config import PrepareMultimodalStageConfig
+from llmbatch.errors import ConfigError
+
+MODEL = "smollm2-135m-instruct"
+
+
+def test_a_local_preprocess_travels_by_value_without_global_registration(tmp_path, monkeypatch):
+    from ray import cloudpickle
+
+    (tmp_path / "myhooks.py").write_text("SUFFIX = '!'\ndef pre(row):\n    return {'prompt': row['q'] + SUFFIX}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import myhooks
+
+    before = set(cloudpickle.list_registry_pickle_by_value())
+    processor = build_processor(vLLMEngineProcessorConfig(model_source=MODEL), preprocess=myhooks.pre)
+    stage = processor.get_stage_by_name("preprocess")
+    data = cloudpickle.dumps(stage)
+    assert set(cloudpickle.list_registry_pickle_by_value()) == before  # nothing left registered
+    # a process that cannot import myhooks still runs the function
+    code = textwrap.dedent("""
+        import pickle, sys
+        stage = pickle.loads(sys.stdin.buffer.read())
+        print(stage.fn({"q": "hi"})["prompt"])
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], input=data, capture_output=True, cwd="/")
+    assert proc.stdout.decode().strip() == "hi!", proc.stderr.decode()[-1000:]
+    assert pickle.loads(pickle.dumps(stage)).fn({"q": "x"}) == {"prompt": "x!"}
+
+
+def test_reading_a_csv_puts_the_field_size_limit_back(tmp_path):
+    from llmbatch.io.readers import read_rows
+
+    (tmp_path / "a.csv").write_text("a,b\n1,2\n")
+    before = csv.field_size_limit()
+    assert list(read_rows(str(tmp_path / "a.csv")))[0][0]["a"] == "1"
+    assert csv.field_size_limit() == before
+
+
+def test_a_job_puts_ray_datas_context_and_log_levels_back():
+    import ray.data
+
+    from llmbatch.jobs.driver import quiet_ray_data
+
+    ctx = ray.data.DataContext.get_current()
+    before = (ctx.enable_progress_bars, list(ctx.issue_detectors_config.detectors),
+              logging.getLogger("ray.data").level)
+    with quiet_ray_data():
+        assert ctx.enable_progress_bars is False and ctx.issue_detectors_config.detectors == []
+    assert (ctx.enable_progress_bars, list(ctx.issue_detectors_config.detectors),
+            logging.getLogger("ray.data").level) == before
+
+
+def test_processors_that_cannot_run_fail_when_the_job_is_loaded(tmp_path):
+    from llmbatch.jobs.spec import load_job
+
+    (tmp_path / "d.csv").write_text("q\nhi\n")
+    job = tmp_path / "job.yaml"
+    job.write_text(textwrap.dedent("""
+        input: {path: d.csv}
+        model: {source: x, processor: sglang}
+        prompt: {user: "{q}"}
+        output: {path: out.parquet}
+    """))
+    with pytest.raises(Exception, match="sglang|SGLang"):
+        load_job(job)
+    assert not (tmp_path / "out.parquet.job").exists()
+
+
+@pytest.mark.parametrize("field,value", [("model_config_kwargs", {"max_num_seqs": 1}),
+                                         ("chat_template_content_format", "openai"),
+                                         ("apply_sys_msg_formatting", True)])
+def test_multimodal_settings_not_implemented_are_refused(field, value):
+    with pytest.raises(ConfigError, match="not supported"):
+        PrepareMultimodalStageConfig(enabled=True, **{field: value})
+
+
+def test_log_engine_metrics_says_what_it_needs_where_ray_serve_is_missing():
+    from llmbatch.engines.vllm import _ray_stat_logger
+    from llmbatch.errors import MissingDependencyError
+
+    try:
+        import ray.serve  # noqa: F401
+    except ImportError:
+        serve = False
+    else:
+        serve = True
+    if serve:
+        assert _ray_stat_logger() is not None
+    else:
+        with pytest.raises(MissingDependencyError, match=r"ray\[serve\]"):
+            _ray_stat_logger()
