@@ -4,7 +4,15 @@ from pathlib import Path
 
 import yaml
 
-from llmbatch.demo import FEW_SHOT, MAX_TOKENS, SYSTEM_PROMPT, USER_PROMPT, accuracy, industry_request, sample_rows
+from llmbatch.demo import (
+    FEW_SHOT,
+    MAX_TOKENS,
+    SYSTEM_PROMPT,
+    USER_PROMPT,
+    accuracy,
+    industry_request,
+    sample_rows,
+)
 from llmbatch.jobs.spec import load_job
 from llmbatch.sample_data import INDUSTRIES, TRADES, known_industry
 

@@ -2,8 +2,15 @@ import hashlib
 
 import pytest
 
-from llmbatch.sample_data import (COLUMNS, INDUSTRIES, TRADE_INDUSTRY, TRADES, customers, known_industry,
-                                  write_customers_csv)
+from llmbatch.sample_data import (
+    COLUMNS,
+    INDUSTRIES,
+    TRADE_INDUSTRY,
+    TRADES,
+    customers,
+    known_industry,
+    write_customers_csv,
+)
 
 
 def test_seeded_and_shaped(tmp_path):
