@@ -105,8 +105,7 @@ def run_demo(rows: int = 2000, out_dir: str = "demo-output", model: str = DEFAUL
 
     answered = pq.read_table(result.output_path, columns=["Index", "Company", "industry"]).to_pylist()
     table = Table(title=f"8 rows chosen at random (seed {seed})",
-                  caption="known: the industry the company name reveals; "
-                          "-: it reveals none (the answer is a guess, not scored)")
+                  caption="known: the industry the name reveals; -: none (a guess, not scored)")
     for col in ("Index", "Company", "industry", "known"):
         table.add_column(col)
     for row in sample_rows(answered, 8, seed):
