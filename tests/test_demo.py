@@ -10,7 +10,6 @@ from llmbatch.demo import (
     SYSTEM_PROMPT,
     USER_PROMPT,
     accuracy,
-    industry_request,
     sample_rows,
 )
 from llmbatch.jobs.spec import load_job
@@ -34,8 +33,10 @@ def test_few_shot_examples_cover_the_labels_and_are_not_the_answer_key():
     assert all(len(label) + 2 <= MAX_TOKENS for label in INDUSTRIES)
 
 
-def test_industry_request_matches_the_job():
-    request = industry_request({"Company": "Atlas Insurance"})
+def test_the_jobs_request_is_the_few_shot_prompt_with_the_choices():
+    from llmbatch.jobs.prompts import job_preprocess
+
+    request = job_preprocess(load_job(EXAMPLE))({"Company": "Atlas Insurance"})
     assert request["messages"] == [{"role": "system", "content": SYSTEM_PROMPT},
                                    {"role": "user", "content": "Atlas Insurance"}]
     assert request["sampling_params"]["structured_outputs"] == {"choice": INDUSTRIES}

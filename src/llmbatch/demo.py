@@ -39,17 +39,6 @@ USER_PROMPT = "{Company}"  # the user turn is the company name, as in the exampl
 MAX_TOKENS = max(len(label) for label in INDUSTRIES) + 2
 
 
-def industry_request(row: dict) -> dict:
-    """Preprocess for the demo: one chat request per customer row."""
-    return {
-        "messages": [
-            {"role": "system", "content": SYSTEM_PROMPT},
-            {"role": "user", "content": USER_PROMPT.format(Company=row["Company"])},
-        ],
-        "sampling_params": {"temperature": 0, "max_tokens": MAX_TOKENS, "structured_outputs": {"choice": INDUSTRIES}},
-    }
-
-
 def accuracy(rows: Iterable[dict]) -> tuple[int, int]:
     """``(right, scored)`` over rows with ``Company`` and ``industry``: the rows whose company
     name reveals its industry (:func:`llmbatch.sample_data.known_industry`) are scored."""
