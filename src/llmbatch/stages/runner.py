@@ -31,7 +31,7 @@ from llmbatch.rows import (
 )
 from llmbatch.stages.base import Stage
 from llmbatch.stages.user_fns import PostprocessStage, default_output
-from llmbatch.watchdog import Heartbeat
+from llmbatch.watchdog import Heartbeat, wait_for_peers
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +73,8 @@ class StageRunner:
 
     def __init__(self, stages: list[Stage], *, sink: bool = False, encoded_output: bool = False,
                  task_type: str = "generate", continue_on_error: bool = True,
-                 keep_private: tuple[str, ...] = (), run_id: str | None = None, role: str = ""):
+                 keep_private: tuple[str, ...] = (), run_id: str | None = None, role: str = "",
+                 peers: int = 1, peer_wait_s: float = 300.0):
         self.stages = stages
         self.sink = sink
         self.encoded_output = encoded_output
@@ -81,20 +82,24 @@ class StageRunner:
         self.task_type = task_type
         self.continue_on_error = continue_on_error
         self.keep_private = keep_private
-        self._started = False
+        self._state = "starting"
         self._heartbeat = None
         if run_id is not None:
             self._heartbeat = Heartbeat(run_id, role, self._probe).start()
         self._loop = _LoopThread()
         for stage in stages:
             self._loop.run(stage.start())
-        self._started = True
+        if run_id is not None and peers > 1:
+            self._state = "waiting"
+            self._heartbeat.beat()
+            wait_for_peers(run_id, role, peers, peer_wait_s)
+        self._state = "ready"
         if self._heartbeat is not None:
             self._heartbeat.beat()
 
     def _probe(self) -> dict[str, Any]:
         """What the heartbeat says: starting, and requests inside this worker's engine."""
-        return {"state": "ready" if self._started else "starting",
+        return {"state": self._state,
                 "in_flight": sum(getattr(s, "in_flight", 0) for s in self.stages),
                 "done": sum(getattr(s, "done", 0) for s in self.stages)}
 
