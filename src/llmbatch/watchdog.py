@@ -122,12 +122,18 @@ def wait_for_peers(run_id: str, role: str, peers: int, timeout_s: float, poll_s:
             beats = read_heartbeats(run_id)
         except Exception:  # noqa: BLE001 - cannot see the peers: do not wait for them
             return 1
-        count = sum(1 for b in beats if b.get("role") == role and b.get("state") in ("waiting", "ready")
-                    and time.time() - float(b.get("at", 0)) < HEARTBEAT_FRESH_S)
-        if count >= peers or time.monotonic() >= deadline:
-            if count < peers:
-                logger.warning("%d of %d replicas of %s started within %.0f s; the others are left to catch up",
-                               count, peers, role, timeout_s)
+        started = [b for b in beats if b.get("role") == role and b.get("state") in ("waiting", "ready")
+                   and time.time() - float(b.get("at", 0)) < HEARTBEAT_FRESH_S]
+        count = len(started)
+        if count >= peers:
+            # every replica computes the same moment from the same heartbeats and goes then,
+            # so Ray Data sees them ready together and hands each its share
+            release = max(float(b.get("waiting_since") or 0) for b in started) + 2 * poll_s
+            time.sleep(max(0.0, min(release - time.time(), 2 * poll_s)))
+            return count
+        if time.monotonic() >= deadline:
+            logger.warning("%d of %d replicas of %s started within %.0f s; the others are left to catch up",
+                           count, peers, role, timeout_s)
             return count
         time.sleep(poll_s)
 
