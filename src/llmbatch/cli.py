@@ -86,6 +86,9 @@ def _run(job, overrides, **kwargs) -> None:
 def run(
     job_file: Annotated[Optional[Path], typer.Argument(help="Job file (YAML). Flags below override its fields.")] = None,
     input: Annotated[Optional[str], typer.Option("--input", "-i", help="Input file or URL (csv, jsonl, json, parquet, hf dataset dir).")] = None,
+    openai_batch: Annotated[Optional[str], typer.Option("--openai-batch", help="An OpenAI Batch API file (JSONL requests); --output gets OpenAI's output lines, --errors the error lines.")] = None,
+    errors: Annotated[Optional[str], typer.Option("--errors", help="With --openai-batch: the error file (default: <output>.errors.jsonl).")] = None,
+    invalid_lines: Annotated[Optional[str], typer.Option("--invalid-lines", help="With --openai-batch: 'fail' (default) lists invalid lines and runs nothing; 'error' writes them to the error file and runs the rest.")] = None,
     id_column: Annotated[Optional[str], typer.Option(help="Column with a unique id per row.")] = None,
     limit: Annotated[Optional[int], typer.Option(help="Only the first N rows.")] = None,
     model: Annotated[Optional[str], typer.Option("--model", "-m", help="Model: offline alias, folder, hub id, .gguf.")] = None,
@@ -114,7 +117,12 @@ def run(
             node = node.setdefault(p, {})
         node[parts[-1]] = value
 
-    put("input.path", input)
+    if openai_batch and input:
+        _fail(LLMBatchError("give --input or --openai-batch, not both"))
+    put("input.path", openai_batch or input)
+    put("input.format", "openai-batch" if openai_batch else None)
+    put("input.invalid_lines", invalid_lines)
+    put("output.errors_path", errors)
     put("input.id_column", id_column)
     put("input.limit", limit)
     put("model.source", model)
