@@ -88,7 +88,7 @@ def apply_defaults(doc: dict[str, Any]) -> dict[str, Any]:
     try:
         first_model, first_url = peek(inp["path"])
     except Exception:  # noqa: BLE001 - an unreadable file is reported when the job reads it
-        return doc
+        first_model = first_url = None
     if needs_source and first_model:
         model["source"] = first_model
     source = model.get("source") or model.get("model_source")
