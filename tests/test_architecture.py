@@ -16,7 +16,7 @@ LAYERS = [
     ["config", "stages"],
     ["processor", "builders"],
     ["jobs", "demo"],
-    ["cli", "__init__", "__main__"],
+    ["cli", "server", "__init__", "__main__"],
 ]
 #: Modules allowed past MAX_LINES, and why (the same reasons are on the architecture page).
 LONG_MODULES = {"config": "every user-facing setting with its documentation, on one page"}

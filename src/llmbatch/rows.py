@@ -79,6 +79,10 @@ PRIVATE_PREFIX = "__llmbatch_"
 ROW_ID = "__llmbatch_id"              # the job's row id (or None outside jobs)
 ADD_SPECIAL_TOKENS = "__llmbatch_add_special_tokens"
 STATS = "__llmbatch_stats"            # per-row engine facts the job layer aggregates
+#: OpenAI request details the engine honours for this row: every one of ``n`` answers with its
+#: stop reason and logprobs (the ``completions`` column), ``max_tokens_auto`` (generate up to
+#: the context length, as OpenAI's chat endpoint does when max_tokens is not given)
+OPENAI = "__llmbatch_openai"
 
 
 def is_error(row: Row) -> bool:

@@ -25,7 +25,7 @@ from llmbatch.engines.vllm_params import (
 from llmbatch.errors import EngineStartError, MissingDependencyError, RowValidationError
 from llmbatch.models import resolve_model
 from llmbatch.reaper import watch_children
-from llmbatch.rows import Row, to_python
+from llmbatch.rows import OPENAI, Row, to_python
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +126,13 @@ def _logprobs_rows(entries) -> list[list[dict[str, Any]]] | None:
             for tid, lp in position.items()
         ])
     return out
+
+
+def _completion_row(completion) -> dict[str, Any]:
+    """One of a request's ``n`` answers, with what OpenAI's response shows of it."""
+    return {"index": completion.index, "text": completion.text, "finish_reason": completion.finish_reason or "",
+            "stop_reason": completion.stop_reason, "num_tokens": len(completion.token_ids), "token_ids": list(completion.token_ids),
+            "logprobs": _logprobs_rows(completion.logprobs)}
 
 
 class VLLMEngine:
@@ -232,17 +239,24 @@ class VLLMEngine:
         prompt_text = row.get("prompt")
         if ids is None and not (isinstance(prompt_text, str) and prompt_text.strip()):
             raise RowValidationError("the row has neither 'tokenized_prompt' nor a non-empty 'prompt'")
+        if ids is not None:
+            ids = [int(t) for t in to_python(ids)]
+            if not ids:
+                raise RowValidationError("'tokenized_prompt' is empty")
+        detail = row.get(OPENAI) if self.task_type == "generate" else None
         if self.task_type == "generate":
             params, canonical = sampling_params(row.get("sampling_params"), self.max_model_len, self.detokenize_after)
             deterministic = (params.temperature == 0 or params.seed is not None) and params.n == 1
+            if detail:  # every answer's text, stop reason and token texts; max_tokens up to the context
+                params.detokenize = True
+                if detail.get("max_tokens_auto") and ids is not None and self.max_model_len:
+                    params.max_tokens = max(1, self.max_model_len - len(ids))
+                    canonical = {**canonical, "max_tokens": "auto"}
         else:
             params, canonical = pooling_params(row.get("pooling_params"), self.task_type)
             deterministic = True
         prompt: dict[str, Any]
         if ids is not None:
-            ids = [int(t) for t in to_python(ids)]
-            if not ids:
-                raise RowValidationError("'tokenized_prompt' is empty")
             prompt = {"prompt_token_ids": ids}  # vLLM's TokensPrompt (a TypedDict: a plain dict)
         else:
             prompt = {"prompt": prompt_text}  # TextPrompt
@@ -262,7 +276,7 @@ class VLLMEngine:
         structured = canonical.get("structured_outputs") if isinstance(canonical, dict) else None
         return Request(prompt=prompt, params=params, key=key, sort_key=body, lora=lora_name,
                        extra={"prompt": prompt_text if isinstance(prompt_text, str) else "",
-                              "structured": structured})
+                              "structured": structured, "openai": bool(detail)})
 
     async def _lora_request(self, name: str | None):
         if name is None:
@@ -316,6 +330,9 @@ class VLLMEngine:
             )
             if completion.logprobs is not None:
                 result["logprobs"] = _logprobs_rows(completion.logprobs)
+            if request.extra.get("openai"):
+                result["completions"] = [_completion_row(c) for c in final.outputs]
+                result["num_generated_tokens"] = sum(len(c.token_ids) for c in final.outputs)
             if final.prompt_logprobs is not None:
                 result["prompt_logprobs"] = _logprobs_rows(final.prompt_logprobs)
         else:

@@ -30,7 +30,10 @@ from llmbatch.errors import ConfigError
 from llmbatch.io.files import atomic_write_json, fsync_dir
 from llmbatch.io.readers import typed_text_column
 from llmbatch.io.writers import OutputWriter, unify_schema
+from llmbatch.io.openai_batch import FORMAT
 from llmbatch.jobs.meta import JobMeta
+from llmbatch.jobs.openai_batch import errors_path, is_openai_batch
+from llmbatch.jobs.openai_output import write_openai_output
 from llmbatch.jobs.spec import JobSpec
 from llmbatch.jobs.store import JobDir, error_record
 from llmbatch.jobs.tally import Tally
@@ -127,6 +130,8 @@ def finish(job: JobDir, spec: JobSpec, meta: JobMeta, run_info: dict[str, Any], 
     parts_upto = job.part_index(parts[-1]) if parts else -1
     output_path, totals = write_output(job, spec, meta, state)
     stats = build_stats(job, meta, state.counts(), totals, run_info, progress, output_path, parts_upto)
+    if is_openai_batch(spec):
+        stats["openai_errors_file"] = errors_path(spec)
     atomic_write_json(job.stats_path, stats)
     meta.finalizing = None
     meta.finished = {"parts_upto": parts_upto, "at": time.time()}
@@ -148,6 +153,9 @@ def _error_id(row: dict[str, Any], spec: JobSpec, types: dict[str, str]) -> Any:
 
 def write_output(job: JobDir, spec: JobSpec, meta: JobMeta, state) -> tuple[str, Tally]:
     """Steps 1-3 of the swap (module docstring); returns the output path and the final counts."""
+    if spec.output.resolved_format() == FORMAT:
+        path, totals, _ = write_openai_output(job, spec, meta, state)
+        return path, totals
     parts = job.part_files()
     parts_upto = job.part_index(parts[-1]) if parts else -1
     columns, schemas = output_columns(job, spec, meta)

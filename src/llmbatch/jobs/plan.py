@@ -20,7 +20,9 @@ import numpy as np
 
 from llmbatch.codec import digest64
 from llmbatch.errors import ConfigError
+from llmbatch.io.openai_batch import read_openai_batch
 from llmbatch.io.readers import READ_ERROR, read_rows
+from llmbatch.jobs.openai_batch import batch_options, is_openai_batch
 from llmbatch.jobs.prompts import check_prompt_fields, job_preprocess
 from llmbatch.jobs.run import run_job
 from llmbatch.jobs.spec import JobSpec, load_job
@@ -54,7 +56,11 @@ def plan_job(spec: JobSpec, *, throughput: float | None = None, calibrate_rows: 
     max_tokens: list[np.ndarray] = []
     rows = read_errors = bad_rows = 0
     checked_fields = False
-    for batch in read_rows(spec.input.path, spec.input.format, spec.input.columns, spec.input.limit, BATCH):
+    if is_openai_batch(spec):
+        batches = read_openai_batch(spec.input.path, batch_options(spec), spec.input.limit, BATCH)
+    else:
+        batches = read_rows(spec.input.path, spec.input.format, spec.input.columns, spec.input.limit, BATCH)
+    for batch in batches:
         if not checked_fields and spec.prompt is not None:
             check_prompt_fields(spec, [k for k in batch[0] if k != READ_ERROR])
             checked_fields = True

@@ -6,6 +6,7 @@ import copy
 from typing import Any
 
 from llmbatch.errors import ConfigError, RowValidationError
+from llmbatch.jobs.openai_batch import OpenAIBatchPreprocess, is_openai_batch
 from llmbatch.jobs.spec import JobSpec, PromptSpec, load_function
 from llmbatch.rows import is_missing
 
@@ -91,6 +92,8 @@ class WithDefaultParams:
 def job_preprocess(spec: JobSpec):
     """The preprocess a job's processor runs: its prompt templates, or its own function with
     the job's sampling_params as defaults."""
+    if is_openai_batch(spec):
+        return OpenAIBatchPreprocess(spec.sampling_params)
     if spec.prompt is not None:
         return TemplatePreprocess(spec.prompt, spec.sampling_params)
     return WithDefaultParams(load_function(spec.preprocess, spec.python_path), spec.sampling_params)

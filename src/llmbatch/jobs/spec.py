@@ -21,7 +21,7 @@ import os
 import string
 import sys
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 import yaml
 from pydantic import ConfigDict, Field, PrivateAttr, field_validator, model_validator
@@ -35,6 +35,9 @@ from llmbatch.config import (
     vLLMEngineProcessorConfig,
 )
 from llmbatch.errors import ConfigError, did_you_mean
+from llmbatch.jobs.openai_batch import apply_defaults as apply_openai_defaults
+from llmbatch.jobs.openai_batch import check_spec as check_openai_batch
+from llmbatch.jobs.openai_batch import is_openai_batch
 from llmbatch.redact import expand_env, redact
 from llmbatch.rows import SAMPLING_PARAM_NAMES
 
@@ -52,10 +55,12 @@ class InputSpec(_Config):
     """Where the rows come from."""
 
     path: str = Field(..., description="Local path, http(s):// URL, or s3:// / gs:// (with the s3/gcs extra).")
-    format: Optional[Literal["csv", "jsonl", "json", "parquet", "hf"]] = Field(None, description="Input format; inferred from the path when omitted. 'hf' is a Hugging Face dataset saved with save_to_disk.")
+    format: Optional[Literal["csv", "jsonl", "json", "parquet", "hf", "openai-batch"]] = Field(None, description="Input format; inferred from the path when omitted. 'hf' is a Hugging Face dataset saved with save_to_disk; 'openai-batch' an OpenAI Batch API file (one request per line: custom_id, method, url, body), which needs no prompt.")
     limit: Optional[int] = Field(None, ge=1, description="Read only the first N rows.")
     columns: Optional[list[str]] = Field(None, description="Read only these columns.")
     id_column: Optional[str] = Field(None, description="Column with a unique id per row. Without it, the row's position in the input is its id.")
+    invalid_lines: Literal["fail", "error"] = Field("fail", description="openai-batch: 'fail' lists every invalid line (duplicate custom_id, bad method or url, a body the endpoint does not accept, another model) with its number and runs nothing; 'error' writes them to the error file, as OpenAI does, and answers the rest.")
+    endpoint: Optional[str] = Field(None, description="openai-batch: every line's url must be this endpoint (as an OpenAI batch's endpoint).")
     column_types: Optional[dict[str, Literal["string", "int64", "float64", "bool", "date32"]]] = Field(None, description="CSV only: the output type of these columns, e.g. {Zip: string} to keep leading zeros. Others are inferred as Arrow's CSV reader does (int64, float64, bool, date32, else string); prompts always show the cell text as written.")
 
 
@@ -65,6 +70,7 @@ class ModelSpec(_Config):
     model_config = ConfigDict(extra="allow", validate_assignment=True)
 
     source: str = Field(..., description="model_source: an offline alias, folder, hub id, s3:// folder or .gguf file.")
+    served_model_name: Optional[Union[str, list[str]]] = Field(None, description="openai-batch: the names a request's model may use besides the source (as vLLM's --served-model-name); the first is the name answers carry.")
     processor: str = Field("vLLMEngineProcessorConfig", description="Which processor config: vLLMEngineProcessorConfig (default), SGLangEngineProcessorConfig or HttpRequestProcessorConfig.")
 
     @model_validator(mode="before")
@@ -128,13 +134,14 @@ class OutputSpec(_Config):
     """Where the answers go."""
 
     path: str = Field(..., description="Output file (local or fsspec URL).")
-    format: Optional[Literal["parquet", "jsonl", "csv"]] = Field(None, description="Output format; inferred from the path when omitted.")
+    format: Optional[Literal["parquet", "jsonl", "csv", "openai-batch"]] = Field(None, description="Output format; inferred from the path when omitted ('openai-batch' for an openai-batch input: OpenAI's output lines, and an error file).")
+    errors_path: Optional[str] = Field(None, description="openai-batch output: the error file (default: beside the output, '<output>.errors.jsonl').")
     columns: Optional[list[str]] = Field(None, description="Keep only these columns (after rename). Default: input columns, then generated_text and the other engine columns.")
     rename: Optional[dict[str, str]] = Field(None, description="Rename output columns, e.g. {generated_text: industry}.")
 
     def resolved_format(self) -> str:
         if self.format:
-            return self.format
+            return self.format  # openai-batch: set from the input format (jobs.openai_batch.check_spec)
         lower = self.path.lower()
         for fmt, suffixes in (("parquet", (".parquet", ".pq")), ("jsonl", (".jsonl", ".ndjson", ".json")), ("csv", (".csv",))):
             if lower.endswith(suffixes):
@@ -187,7 +194,7 @@ class JobSpec(_Config):
 
     @model_validator(mode="after")
     def _request_source(self) -> "JobSpec":
-        if self.prompt is None and self.preprocess is None:
+        if self.prompt is None and self.preprocess is None and not is_openai_batch(self):
             raise ValueError("give a prompt (prompt.user / messages_column / prompt_column) or a preprocess function")
         if self.prompt is not None and self.preprocess is not None:
             raise ValueError("give either prompt or preprocess, not both")
@@ -195,6 +202,7 @@ class JobSpec(_Config):
             value = getattr(self, name)
             if value is not None and ":" not in value:
                 raise ValueError(f"{name} must look like 'module:function', got {value!r}")
+        check_openai_batch(self)
         return self
 
     def resolved_job_dir(self) -> str:
@@ -283,6 +291,8 @@ def resolve_paths(data: dict[str, Any], base: Path, job_file_folder: bool = True
         data["input"]["path"] = _relative_to(base, data["input"].get("path"))
     if isinstance(data.get("output"), dict):
         data["output"]["path"] = _relative_to(base, data["output"].get("path"))
+    if isinstance(data.get("output"), dict) and data["output"].get("errors_path"):
+        data["output"]["errors_path"] = _relative_to(base, data["output"]["errors_path"])
     if data.get("job_dir"):
         data["job_dir"] = _relative_to(base, data["job_dir"])
     if data.get("preprocess") or data.get("postprocess"):
@@ -316,7 +326,7 @@ def load_job(path: str | os.PathLike | None = None, overrides: list[str] | None 
     if data:
         doc = _merge(doc, data)
     doc = apply_overrides(doc, overrides or [])
-    doc = resolve_paths(doc, base, job_file_folder=path is not None)
+    doc = apply_openai_defaults(resolve_paths(doc, base, job_file_folder=path is not None))
     raw = copy.deepcopy(doc)
     spec = JobSpec(**expand_env(doc))
     spec._raw = raw

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from llmbatch.errors import PromptTooLongError, RowValidationError
 from llmbatch.models import load_tokenizer, model_max_len, resolve_model
-from llmbatch.rows import ADD_SPECIAL_TOKENS, DEFAULT_MAX_TOKENS, Row
+from llmbatch.rows import ADD_SPECIAL_TOKENS, DEFAULT_MAX_TOKENS, OPENAI, Row
 from llmbatch.stages.base import Stage
 
 
@@ -51,8 +51,8 @@ class TokenizeStage(Stage):
         wanted = 0
         if self.generate:
             wanted = params.get("max_tokens")
-            if wanted is None:
-                wanted = DEFAULT_MAX_TOKENS
+            if wanted is None:  # an OpenAI chat request without max_tokens generates up to the context
+                wanted = 1 if (row.get(OPENAI) or {}).get("max_tokens_auto") else DEFAULT_MAX_TOKENS
             elif not isinstance(wanted, int) or isinstance(wanted, bool):
                 wanted = 0  # a wrong type is reported by request validation
         truncate = params.get("truncate_prompt_tokens")
