@@ -45,7 +45,29 @@ POOLING_OUTPUT_COLUMNS = (
     "request_id",
     "batch_uuid",
 )
-ENGINE_OUTPUT_COLUMNS = tuple(dict.fromkeys(GENERATE_OUTPUT_COLUMNS + POOLING_OUTPUT_COLUMNS))
+#: Columns each task writes on every row (classify adds ``probs`` and ``label``, which Ray
+#: lacks; score adds the float ``score``).
+TASK_OUTPUT_COLUMNS = {
+    "generate": GENERATE_OUTPUT_COLUMNS,
+    "embed": POOLING_OUTPUT_COLUMNS,
+    "classify": POOLING_OUTPUT_COLUMNS + ("probs", "label"),
+    "score": POOLING_OUTPUT_COLUMNS + ("score",),
+}
+ENGINE_OUTPUT_COLUMNS = tuple(dict.fromkeys(c for cols in TASK_OUTPUT_COLUMNS.values() for c in cols))
+#: Keys a scoring row may hold its pair in (Ray's ``text_1``/``text_2``, or ``query``/``document``).
+PAIR_KEYS = (("text_1", "text_2"), ("query", "document"))
+
+
+def text_pair(row: Row) -> tuple[str, str] | None:
+    """A scoring row's two texts, or None when the row has no pair."""
+    for first, second in PAIR_KEYS:
+        if row.get(first) is not None or row.get(second) is not None:
+            a, b = row.get(first), row.get(second)
+            if not isinstance(a, str) or not isinstance(b, str) or not a.strip() or not b.strip():
+                raise RowValidationError(f"a scoring pair needs two non-empty texts in {first!r} and {second!r}, "
+                                         f"got {a!r} and {b!r}")
+            return a, b
+    return None
 
 #: Request fields that preprocess produces and the stages consume; they are not part of the
 #: output row (as in Ray, where the engine stage pops them).
@@ -53,6 +75,8 @@ REQUEST_COLUMNS = (
     "sampling_params",
     "pooling_params",
     "tokenized_prompt",
+    "tokenized_prompt_2",
+    "token_type_ids",
     "chat_template_kwargs",
     "multimodal_data",
     "mm_processor_kwargs",

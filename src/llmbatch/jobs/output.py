@@ -46,7 +46,8 @@ ROW_ID_COLUMN = "row_id"
 #: ``prompt``, ``generated_tokens``, ``request_id``, ``batch_uuid``, ``time_taken_llm``, are
 #: there for the asking).
 DEFAULT_ENGINE_COLUMNS = ("generated_text", "finish_reason", "num_input_tokens", "num_generated_tokens",
-                          "structured_output_error", "embeddings", "logprobs", "prompt_logprobs")
+                          "structured_output_error", "embeddings", "probs", "label", "score", "logprobs",
+                          "prompt_logprobs")
 #: Test hook: ``LLMBATCH_CRASH_AT=<step>`` SIGKILLs the process at that step of the swap.
 CRASH_ENV = "LLMBATCH_CRASH_AT"
 

@@ -50,6 +50,7 @@ def plan_job(spec: JobSpec, *, throughput: float | None = None, calibrate_rows: 
     tokenizer = load_tokenizer(spec.model.source)
     max_len = _max_model_len(spec, model_path)
     build = _request_builder(spec)
+    generate = spec.resolved_task() == "generate"
     counts: list[np.ndarray] = []
     request_hashes: list[np.ndarray] = []
     block_hashes: list[np.ndarray] = []
@@ -79,16 +80,18 @@ def plan_job(spec: JobSpec, *, throughput: float | None = None, calibrate_rows: 
                     messages = normalize_messages(req["messages"])
                     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
                     special = False
+                elif req.get("text_1") is not None:  # a scoring pair: both texts count
+                    text, special = f"{req['text_1']}\n{req['text_2']}", True
                 else:
                     text, special = str(req["prompt"]), True
             except Exception:  # noqa: BLE001 - a row the job would turn into an error row
                 bad_rows += 1
                 continue
-            sp = req.get("sampling_params") or {}
+            sp = req.get("sampling_params" if generate else "pooling_params") or {}
             prompts.append(text)
             specials.append(special)
             req_keys.append(digest64(text + "\0" + json.dumps(sp, sort_keys=True, default=str)))
-            wants.append(int(sp.get("max_tokens") or DEFAULT_MAX_TOKENS))
+            wants.append(int(sp.get("max_tokens") or DEFAULT_MAX_TOKENS) if generate else 0)  # pooling: none
         if not prompts:
             continue
         ids_list = [None] * len(prompts)
@@ -119,7 +122,8 @@ def plan_job(spec: JobSpec, *, throughput: float | None = None, calibrate_rows: 
     shared_tokens = (all_blocks.size - np.unique(all_blocks).size) * BLOCK
     total_tokens = int(tokens.sum())
     answered = int(tokens.size)
-    over = int((tokens >= max_len).sum()) if max_len else 0
+    # a generated answer needs room after the prompt; a pooled text may fill the context
+    over = int(((tokens >= max_len) if generate else (tokens > max_len)).sum()) if max_len else 0
     no_room = int(((tokens + wants_all) > max_len).sum()) if max_len else 0
     plan: dict[str, Any] = {
         "input": spec.input.path,
@@ -135,6 +139,7 @@ def plan_job(spec: JobSpec, *, throughput: float | None = None, calibrate_rows: 
         },
         "max_model_len": max_len,
         "rows_over_max_model_len": over,
+        "task": spec.resolved_task(),
         "rows_where_max_tokens_does_not_fit": no_room,
         "duplicate_requests": answered - unique_requests,
         "unique_requests": unique_requests,

@@ -38,6 +38,7 @@ from llmbatch.errors import ConfigError, did_you_mean
 from llmbatch.jobs.openai_batch import apply_defaults as apply_openai_defaults
 from llmbatch.jobs.openai_batch import check_spec as check_openai_batch
 from llmbatch.jobs.openai_batch import is_openai_batch
+from llmbatch.jobs.document import apply_overrides, merge, resolve_paths
 from llmbatch.redact import expand_env, redact
 from llmbatch.rows import SAMPLING_PARAM_NAMES
 
@@ -99,15 +100,19 @@ class PromptSpec(_Config):
     user: Optional[str] = Field(None, description="User message template, e.g. 'What industry is {Company} in?'. Use {{ and }} for literal braces.")
     messages_column: Optional[str] = Field(None, description="A column that already holds OpenAI chat messages.")
     prompt_column: Optional[str] = Field(None, description="A column holding raw prompt text (skips the chat template).")
+    text_column: Optional[str] = Field(None, description="Pooling tasks (embed, classify): the column whose text is embedded or classified, as is.")
+    pair_columns: Optional[list[str]] = Field(None, min_length=2, max_length=2, description="task score: the two columns whose texts are scored against each other, e.g. [query, passage].")
     choices: Optional[list[str]] = Field(None, description="Constrain the answer to one of these strings.")
     json_schema: Optional[Any] = Field(None, description="Constrain the answer to JSON matching this schema.")
     regex: Optional[str] = Field(None, description="Constrain the answer to this regular expression.")
 
     @model_validator(mode="after")
     def _one_source(self) -> "PromptSpec":
-        sources = [self.user is not None, self.messages_column is not None, self.prompt_column is not None]
+        sources = [self.user is not None, self.messages_column is not None, self.prompt_column is not None,
+                   self.text_column is not None, self.pair_columns is not None]
         if sum(sources) != 1:
-            raise ValueError("give exactly one of prompt.user, prompt.messages_column or prompt.prompt_column")
+            raise ValueError("give exactly one of prompt.user, prompt.messages_column, prompt.prompt_column, "
+                             "prompt.text_column or prompt.pair_columns")
         constraints = [self.choices is not None, self.json_schema is not None, self.regex is not None]
         if sum(constraints) > 1:
             raise ValueError("give at most one of prompt.choices, prompt.json_schema or prompt.regex")
@@ -126,7 +131,8 @@ class PromptSpec(_Config):
         for template in (self.system, self.user):
             if template:
                 names.extend(template_fields(template))
-        names.extend(c for c in (self.messages_column, self.prompt_column) if c)
+        names.extend(c for c in (self.messages_column, self.prompt_column, self.text_column) if c)
+        names.extend(self.pair_columns or [])
         return list(dict.fromkeys(names))
 
 
@@ -157,7 +163,9 @@ class JobSpec(_Config):
     prompt: Optional[PromptSpec] = Field(None, description="Templates over row fields; or use preprocess.")
     preprocess: Optional[str] = Field(None, description="'module:function' that turns a row into the request (messages/prompt, sampling_params).")
     postprocess: Optional[str] = Field(None, description="'module:function' that turns an answered row into the output row.")
+    task: Optional[Literal["generate", "embed", "classify", "score"]] = Field(None, description="What the model does: generate text (default), embed texts, classify them, or score pairs (the processor's task_type).")
     sampling_params: dict[str, Any] = Field(default_factory=dict, description="vLLM sampling params for every row (temperature, max_tokens, ...).")
+    pooling_params: dict[str, Any] = Field(default_factory=dict, description="Pooling tasks: params for every row (dimensions, normalize / use_activation, truncate_prompt_tokens).")
     output: OutputSpec
     job_dir: Optional[str] = Field(None, description="Job directory (default: next to the output, '<output>.job').")
     python_path: list[str] = Field(default_factory=list, description="Folders to import preprocess/postprocess modules from (the job file's folder is added).")
@@ -192,6 +200,10 @@ class JobSpec(_Config):
                     raise ValueError(f"sampling_params.{key}={value[key]!r} is out of range")
         return value
 
+    def resolved_task(self) -> str:
+        """The task the job runs (``task``, else the model section's ``task_type``)."""
+        return self.task or self.model.processor_fields().get("task_type") or "generate"
+
     @model_validator(mode="after")
     def _request_source(self) -> "JobSpec":
         if self.prompt is None and self.preprocess is None and not is_openai_batch(self):
@@ -213,6 +225,10 @@ class JobSpec(_Config):
         cls = PROCESSOR_CONFIGS[self.model.processor]
         fields = self.model.processor_fields()
         fields["should_continue_on_error"] = self.continue_on_error
+        if self.task is not None:
+            if fields.get("task_type", self.task) != self.task:
+                raise ConfigError(f"task: {self.task!r} and model.task_type: {fields['task_type']!r} disagree; keep one")
+            fields["task_type"] = self.task
         if cls is not HttpRequestProcessorConfig:
             fields["model_source"] = self.model.source
         try:
@@ -324,7 +340,7 @@ def load_job(path: str | os.PathLike | None = None, overrides: list[str] | None 
             raise ConfigError(f"job file {str(p)!r} must be a mapping of sections (input, model, prompt, output)")
         base = p.resolve().parent
     if data:
-        doc = _merge(doc, data)
+        doc = merge(doc, data)
     doc = apply_overrides(doc, overrides or [])
     doc = apply_openai_defaults(resolve_paths(doc, base, job_file_folder=path is not None))
     raw = copy.deepcopy(doc)
@@ -340,11 +356,3 @@ def redacted_spec(spec: JobSpec) -> dict[str, Any]:
     return redact(json.loads(json.dumps(data, default=str)))
 
 
-def _merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
-    out = dict(a)
-    for key, value in b.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _merge(out[key], value)
-        elif value is not None:
-            out[key] = value
-    return out
