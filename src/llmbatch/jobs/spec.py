@@ -35,10 +35,10 @@ from llmbatch.config import (
     vLLMEngineProcessorConfig,
 )
 from llmbatch.errors import ConfigError, did_you_mean
+from llmbatch.jobs.document import apply_overrides, merge, resolve_paths
 from llmbatch.jobs.openai_batch import apply_defaults as apply_openai_defaults
 from llmbatch.jobs.openai_batch import check_spec as check_openai_batch
 from llmbatch.jobs.openai_batch import is_openai_batch
-from llmbatch.jobs.document import apply_overrides, merge, resolve_paths
 from llmbatch.redact import expand_env, redact
 from llmbatch.rows import SAMPLING_PARAM_NAMES
 
@@ -268,59 +268,6 @@ def load_function(ref: str, python_path: list[str] | None = None):
     if not callable(fn):
         raise ConfigError(f"{ref!r}: module {module_name!r} has no function {func_name!r}")
     return fn
-
-
-def _parse_override(item: str) -> tuple[list[str], Any]:
-    if "=" not in item:
-        raise ConfigError(f"--set takes key.path=value, got {item!r}")
-    key, _, raw = item.partition("=")
-    return key.strip().split("."), yaml.safe_load(raw) if raw.strip() else ""
-
-
-def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply ``a.b=value`` overrides (values parsed as YAML) to a job dict."""
-    for item in overrides or []:
-        path, value = _parse_override(item)
-        node = data
-        for part in path[:-1]:
-            child = node.get(part)
-            if child is None:
-                child = node[part] = {}
-            if not isinstance(child, dict):
-                raise ConfigError(f"--set {item!r}: {part!r} is not a section")
-            node = child
-        node[path[-1]] = value
-    return data
-
-
-def _relative_to(base: Path, value: str | None) -> str | None:
-    if value is None or "://" in value or os.path.isabs(value) or value.startswith("${"):
-        return value
-    return str((base / value).resolve()) if not value.startswith("~") else os.path.expanduser(value)
-
-
-def resolve_paths(data: dict[str, Any], base: Path, job_file_folder: bool = True) -> dict[str, Any]:
-    """Make the job's relative paths relative to ``base`` (the job file's folder, which is
-    also where preprocess/postprocess modules are imported from; a job given as data only,
-    e.g. resumed from its directory, adds no folder of its own)."""
-    if isinstance(data.get("input"), dict):
-        data["input"]["path"] = _relative_to(base, data["input"].get("path"))
-    if isinstance(data.get("output"), dict):
-        data["output"]["path"] = _relative_to(base, data["output"].get("path"))
-    if isinstance(data.get("output"), dict) and data["output"].get("errors_path"):
-        data["output"]["errors_path"] = _relative_to(base, data["output"]["errors_path"])
-    if data.get("job_dir"):
-        data["job_dir"] = _relative_to(base, data["job_dir"])
-    if data.get("preprocess") or data.get("postprocess"):
-        paths = [_relative_to(base, p) for p in data.get("python_path") or []]
-        data["python_path"] = list(dict.fromkeys(paths + ([str(base)] if job_file_folder else [])))
-    model = data.get("model")
-    if isinstance(model, dict):
-        src = model.get("source", model.get("model_source"))
-        if isinstance(src, str) and src.startswith(("./", "../")):
-            model["source"] = _relative_to(base, src)
-            model.pop("model_source", None)
-    return data
 
 
 def load_job(path: str | os.PathLike | None = None, overrides: list[str] | None = None,
