@@ -33,7 +33,7 @@ def prompts(n):
 
 def params(row):
     sp = dict(temperature=0, max_tokens=6)
-    if row["logprobs"]:
+    if row["want_lp"]:
         sp.update(logprobs=3)
     if row["prompt_lp"]:
         sp.update(prompt_logprobs=2)
@@ -69,21 +69,21 @@ def reference(rows, smollm2, loras, engine_kwargs, work) -> dict:
 @pytest.fixture(scope="module")
 def answered(ray_cluster, smollm2, test_models, tmp_path_factory):
     # an engine without LoRA: logprobs and prompt logprobs
-    base = [{"i": i, "text": t, "model": None, "logprobs": True, "prompt_lp": True}
+    base = [{"i": i, "text": t, "model": None, "want_lp": True, "prompt_lp": True}
             for i, t in enumerate(prompts(BASE_ROWS))]
     out = run(base, engine_kwargs=PLAIN)
     ref = reference(base, smollm2, test_models["loras"], PLAIN, tmp_path_factory.mktemp("ref-plain"))
     # one batch mixing base rows and three adapters (logprobs; vLLM's CPU LoRA kernels cannot
     # give prompt logprobs, so rows asking for them are error rows there)
-    mixed = [{"i": 300 + j, "text": t, "model": None, "logprobs": True, "prompt_lp": False}
+    mixed = [{"i": 300 + j, "text": t, "model": None, "want_lp": True, "prompt_lp": False}
              for j, t in enumerate(prompts(6))]
     for k, name in enumerate(ADAPTERS):
-        mixed += [{"i": 100 + 10 * k + j, "text": t, "model": name, "logprobs": True, "prompt_lp": False}
+        mixed += [{"i": 100 + 10 * k + j, "text": t, "model": name, "want_lp": True, "prompt_lp": False}
                   for j, t in enumerate(prompts(6))]
-    broken = [{"i": 200, "text": "hello", "model": "no-such-adapter", "logprobs": False, "prompt_lp": False},
-              {"i": 201, "text": "hello", "model": "smollm2-lora-wide", "logprobs": False, "prompt_lp": False},
-              {"i": 202, "text": "hello", "model": "smollm2-lora-a", "logprobs": True, "prompt_lp": True},
-              {"i": 203, "text": "hello", "model": None, "logprobs": True, "prompt_lp": True}]
+    broken = [{"i": 200, "text": "hello", "model": "no-such-adapter", "want_lp": False, "prompt_lp": False},
+              {"i": 201, "text": "hello", "model": "smollm2-lora-wide", "want_lp": False, "prompt_lp": False},
+              {"i": 202, "text": "hello", "model": "smollm2-lora-a", "want_lp": True, "prompt_lp": True},
+              {"i": 203, "text": "hello", "model": None, "want_lp": True, "prompt_lp": True}]
     out.update(run(mixed + broken, engine_kwargs=ENGINE, dynamic_lora_loading_path=test_models["loras"]))
     ref.update(reference(mixed, smollm2, test_models["loras"], {**ENGINE, "enable_lora": True},
                          tmp_path_factory.mktemp("ref-lora")))
