@@ -80,12 +80,14 @@ def test_processors_that_cannot_run_fail_when_the_job_is_loaded(tmp_path):
     assert not (tmp_path / "out.parquet.job").exists()
 
 
-@pytest.mark.parametrize("field,value", [("model_config_kwargs", {"max_num_seqs": 1}),
+@pytest.mark.parametrize("field,value", [("model_config_kwargs", {"limit_mm_per_prompt": {"image": 2}}),
                                          ("chat_template_content_format", "openai"),
                                          ("apply_sys_msg_formatting", True)])
-def test_multimodal_settings_not_implemented_are_refused(field, value):
-    with pytest.raises(ConfigError, match="not supported"):
-        PrepareMultimodalStageConfig(enabled=True, **{field: value})
+def test_ray_multimodal_settings_are_accepted_without_side_effects(field, value):
+    config = PrepareMultimodalStageConfig(enabled=True, **{field: value})
+    assert getattr(config, field) == value
+    with pytest.raises(ConfigError, match="chat_template_content_format"):
+        PrepareMultimodalStageConfig(chat_template_content_format="markdown")
 
 
 def test_log_engine_metrics_says_what_it_needs_where_ray_serve_is_missing():

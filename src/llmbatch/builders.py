@@ -20,6 +20,7 @@ from llmbatch.config import (
     vLLMEngineProcessorConfig,
 )
 from llmbatch.engines.vllm import VLLMEngine
+from llmbatch.engines.vllm_chat import VllmChat
 from llmbatch.errors import ConfigError, MissingDependencyError
 from llmbatch.processor import Layout, Processor, StageSpec
 from llmbatch.stages.base import Stage
@@ -92,15 +93,20 @@ def build_vllm_processor(config: vLLMEngineProcessorConfig, *, preprocess: UserF
     if preprocess is not None:
         pre.append(StageSpec(PreprocessStage(preprocess), None, preprocess_map_kwargs))
     mm = config.prepare_multimodal_stage
+    ct = config.chat_template_stage
+    vllm_chat = None
     if mm.enabled:
         policy = MediaPolicy(config.engine_kwargs.get("allowed_local_media_path"),
-                             config.engine_kwargs.get("allowed_media_domains"))
-        pre.append(StageSpec(PrepareMultimodalStage(policy), mm))
-    ct = config.chat_template_stage
+                             config.engine_kwargs.get("allowed_media_domains"), max_bytes=mm.max_item_bytes,
+                             timeout_s=mm.fetch_timeout_s, retries=mm.fetch_retries)
+        vllm_chat = VllmChat(mm.model_source or config.model_source, config.engine_kwargs, mm.model_config_kwargs,
+                             mm.chat_template_content_format, ct.chat_template if ct.enabled else None,
+                             system_as_text=bool(mm.apply_sys_msg_formatting))
+        pre.append(StageSpec(PrepareMultimodalStage(vllm_chat, policy), mm))
     if ct.enabled:
         pre.append(StageSpec(ChatTemplateStage(ct.model_source or config.model_source, ct.chat_template,
                                                {**(chat_template_kwargs or {}), **(ct.chat_template_kwargs or {})},
-                                               trust), ct))
+                                               trust, vllm_chat=vllm_chat), ct))
     tk = config.tokenize_stage
     if tk.enabled:
         max_len = config.engine_kwargs.get("max_model_len")

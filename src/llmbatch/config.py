@@ -157,22 +157,17 @@ class DetokenizeStageConfig(StageConfig):
 
 
 class PrepareMultimodalStageConfig(StageConfig):
-    """The multimodal stage: images/video/audio in ``messages`` -> engine inputs."""
+    """The multimodal stage: images/video/audio in ``messages`` -> engine inputs, as vLLM's
+    own chat path (``LLM.chat``) makes them."""
 
-    enabled: bool = Field(False, description="Whether this stage runs (off unless asked for).")
-    model_config_kwargs: Optional[dict[str, Any]] = Field(None, description="Extra vLLM ModelConfig arguments for the multimodal processor (not supported yet: setting it is an error).")
-    chat_template_content_format: Optional[Literal["string", "openai"]] = Field("string", description="How message content is laid out for the template (only 'string' is supported yet).")
-    apply_sys_msg_formatting: Optional[bool] = Field(False, description="Whether system messages get the model's multimodal formatting (not supported yet: True is an error).")
-
-    @model_validator(mode="after")
-    def _supported(self) -> "PrepareMultimodalStageConfig":
-        if self.model_config_kwargs:
-            raise ValueError("model_config_kwargs is not supported by this llmbatch version yet; leave it out")
-        if self.chat_template_content_format not in (None, "string"):
-            raise ValueError("chat_template_content_format='openai' is not supported by this llmbatch version yet")
-        if self.apply_sys_msg_formatting:
-            raise ValueError("apply_sys_msg_formatting=True is not supported by this llmbatch version yet")
-        return self
+    enabled: bool = Field(False, description="Whether this stage runs (off unless asked for; has_image=True is the old spelling).")
+    model_source: Optional[str] = Field(None, description="Parse with this model's processor instead of the processor's model.")
+    model_config_kwargs: Optional[dict[str, Any]] = Field(None, description="Extra vLLM ModelConfig arguments for parsing (e.g. limit_mm_per_prompt); the engine's engine_kwargs apply too.")
+    chat_template_content_format: Optional[Literal["auto", "string", "openai"]] = Field(None, description="How message content is laid out for the template: 'string' (text with the model's placeholders), 'openai' (a list of parts), or 'auto'/unset: detected from the template, as vLLM's LLM.chat does (Ray's default is 'string').")
+    apply_sys_msg_formatting: Optional[bool] = Field(False, description="Keep system messages as plain strings (text parts joined), outside the content formatting, for templates that want a string system prompt.")
+    max_item_bytes: int = Field(64 << 20, ge=1, description="llmbatch: the cap on one media item (encoded bytes, or a decoded image's RGB bytes); a bigger one is an error row.")
+    fetch_timeout_s: float = Field(20.0, gt=0, description="llmbatch: seconds per try to fetch a media URL.")
+    fetch_retries: int = Field(2, ge=0, description="llmbatch: tries after the first for a media URL that fails to connect, times out or answers 5xx.")
 
 
 def resolve_stage_config(value: Any, cls: type[StageConfig], field: str) -> StageConfig:

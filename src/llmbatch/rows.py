@@ -107,6 +107,11 @@ STATS = "__llmbatch_stats"            # per-row engine facts the job layer aggre
 #: stop reason and logprobs (the ``completions`` column), ``max_tokens_auto`` (generate up to
 #: the context length, as OpenAI's chat endpoint does when max_tokens is not given)
 OPENAI = "__llmbatch_openai"
+#: Set by the multimodal stage: ``messages`` is vLLM's parsed conversation (placeholders in
+#: place), for the chat template stage to render with vLLM's own template call.
+MM_PARSED = "__llmbatch_mm_parsed"
+#: A digest of the row's media (images' pixels or their uuids): part of the dedup key.
+MEDIA_DIGEST = "__llmbatch_media_digest"
 
 
 def is_error(row: Row) -> bool:

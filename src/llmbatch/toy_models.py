@@ -11,7 +11,11 @@ end to end, against transformers and plain vLLM on the same weights.
 - ``smollm2-reward``: LlamaForSequenceClassification, 1 label, SmolLM2 with a seeded head (a
   decoder reward model);
 - ``smollm2-lora-a`` / ``-b`` / ``-c`` / ``-wide``: peft LoRA adapters for SmolLM2 with seeded
-  weights (``init_lora_weights=False``) of rank 8, 16, 8 and 32.
+  weights (``init_lora_weights=False``) of rank 8, 16, 8 and 32;
+- ``tiny-vlm``: an Idefics3 (SmolVLM-style) vision-language model with seeded random weights: a
+  2-layer vision tower (64 px tiles of 16 px patches, 4 tokens per tile after the pixel
+  shuffle), a 2-layer Llama (head_dim 64, which vLLM's CPU attention needs) on SmolLM2's
+  tokenizer plus the image tokens, a processor that splits images up to 128 px into tiles.
 """
 
 from __future__ import annotations
@@ -117,6 +121,49 @@ def _lora(out: Path, rank: int, seed: int) -> None:
     (out / "adapter_config.json").write_text(json.dumps(meta, indent=2))
 
 
+#: The tiny VLM's chat template (SmolVLM's layout; string content works too).
+VLM_TEMPLATE = (
+    "<|im_start|>{% for message in messages %}{{ message['role'] | capitalize }}"
+    "{% if message['content'] is string %}: {{ message['content'] }}"
+    "{% else %}{% if message['content'][0]['type'] == 'image' %}:{% else %}: {% endif %}"
+    "{% for part in message['content'] %}{% if part['type'] == 'text' %}{{ part['text'] }}"
+    "{% elif part['type'] == 'image' %}<image>{% endif %}{% endfor %}"
+    "{% endif %}<end_of_utterance>\n{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}")
+
+
+def _tiny_vlm(out: Path, seed: int) -> None:
+    torch, transformers = _imports()
+    from transformers import Idefics3ImageProcessorPil, Idefics3Processor
+
+    tok = transformers.AutoTokenizer.from_pretrained(prepare("smollm2-135m-instruct"))
+    extra = ["<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>"]
+    extra += [f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)]
+    tok.add_special_tokens({"additional_special_tokens": extra})
+    tok.chat_template = VLM_TEMPLATE
+    end = tok.convert_tokens_to_ids("<end_of_utterance>")
+    text = transformers.LlamaConfig(
+        vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=64, max_position_embeddings=2048, bos_token_id=tok.bos_token_id,
+        eos_token_id=end, pad_token_id=tok.pad_token_id, tie_word_embeddings=False)
+    vision = transformers.Idefics3VisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                               num_attention_heads=2, image_size=64, patch_size=16)
+    config = transformers.Idefics3Config(vision_config=vision.to_dict(), text_config=text.to_dict(), scale_factor=2,
+                                         image_token_id=tok.convert_tokens_to_ids("<image>"),
+                                         tie_word_embeddings=False, pad_token_id=tok.pad_token_id)
+    config.architectures = ["Idefics3ForConditionalGeneration"]
+    torch.manual_seed(seed)
+    model = transformers.Idefics3ForConditionalGeneration(config)
+    with torch.no_grad():  # large enough that images move greedy answers
+        for param in model.parameters():
+            param.normal_(0, 0.05)
+    model.save_pretrained(out, safe_serialization=True)
+    images = Idefics3ImageProcessorPil(size={"longest_edge": 128}, max_image_size={"longest_edge": 64},
+                                       do_image_splitting=True)
+    Idefics3Processor(image_processor=images, tokenizer=tok, image_seq_len=4,
+                      chat_template=VLM_TEMPLATE).save_pretrained(out)
+    tok.save_pretrained(out)
+
+
 def make_test_models(root: str | os.PathLike | None = None) -> dict[str, Path]:
     """Build every test model under ``root`` (default: the cache's ``test-models``) once;
     returns name -> folder. LoRA adapters share one folder (``loras``), the
@@ -129,6 +176,7 @@ def make_test_models(root: str | os.PathLike | None = None) -> dict[str, Path]:
                                                   lambda d: _bert_classifier(d, 1, 1, ["score"])),
         "smollm2-reward": _write_atomically(root / "smollm2-reward", lambda d: _llama_reward(d, 2)),
     }
+    out["tiny-vlm"] = _write_atomically(root / "tiny-vlm", lambda d: _tiny_vlm(d, 3))
     for name, (rank, seed) in LORA_ADAPTERS.items():
         out[name] = _write_atomically(root / "loras" / name, lambda d, r=rank, s=seed: _lora(d, r, s))
     out["loras"] = root / "loras"

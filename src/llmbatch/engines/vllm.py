@@ -34,7 +34,7 @@ from llmbatch.models import (
     resolve_model,
 )
 from llmbatch.reaper import watch_children
-from llmbatch.rows import OPENAI, Row, text_pair, to_python
+from llmbatch.rows import MEDIA_DIGEST, OPENAI, Row, text_pair, to_python
 
 logger = logging.getLogger(__name__)
 
@@ -173,11 +173,16 @@ class VLLMEngine:
                 params.extra_kwargs = {**(params.extra_kwargs or {}),
                                        "compressed_token_type_ids": types.index(1) if 1 in types else len(types)}
         mm = row.get("multimodal_data")
+        media = ""
         if mm:
             prompt["multi_modal_data"] = mm
+            if row.get("multimodal_uuids"):
+                prompt["multi_modal_uuids"] = row["multimodal_uuids"]
             if row.get("mm_processor_kwargs"):
                 prompt["mm_processor_kwargs"] = row["mm_processor_kwargs"]
-            deterministic = False  # never merge requests that carry media
+            # requests with media merge only when their media are the same (the stage's digest)
+            media = row.get(MEDIA_DIGEST) or ""
+            deterministic = deterministic and bool(media) and not row.get("mm_processor_kwargs")
         lora_name = row.get("model")
         lora = None
         if self.adapters is not None and not self.adapters.is_base(lora_name):
@@ -194,9 +199,12 @@ class VLLMEngine:
                                      "cannot compute them (the engine would die); ask for logprobs only, or run "
                                      "these rows without dynamic_lora_loading_path / enable_lora, or on a GPU")
         body = ids if ids is not None else (prompt_text or repr(pair))
-        key = request_digest(body if pair is None else repr((pair, ids)), canonical, lora_name) if deterministic else None
-        # adapter first: rows of one adapter run together, and in prompt order (shared prefixes)
-        sort_key = (lora_name or "", 0, tuple(ids), "") if ids is not None else (lora_name or "", 1, (), str(body))
+        key = request_digest(body if pair is None else repr((pair, ids)), {"c": canonical, "m": media} if media
+                             else canonical, lora_name) if deterministic else None
+        # adapter first: rows of one adapter run together, and in prompt order (shared prefixes);
+        # rows with the same media together (the engine's multimodal caches)
+        sort_key = ((lora_name or "", 0, tuple(ids), media) if ids is not None
+                    else (lora_name or "", 1, (), str(body) + media))
         structured = canonical.get("structured_outputs") if isinstance(canonical, dict) else None
         return Request(prompt=prompt, params=params, key=key, sort_key=sort_key, lora=lora,
                        extra={"prompt": prompt_text if isinstance(prompt_text, str) else "",

@@ -1,115 +1,158 @@
-"""The multimodal stage: images in ``messages`` -> ``multimodal_data`` for the engine.
+"""The multimodal stage: media in ``messages`` -> the conversation and ``multimodal_data`` that
+vLLM's own chat path (``LLM.chat``) would make of them.
 
-Image parts may be a PIL image, raw bytes, a ``data:`` URL, an http(s) URL or a local path.
-Each becomes a decoded RGB image; a part that is not an image fails the row with a clear
-error instead of failing the engine batch.
+Content parts, in OpenAI's form and Ray's, several per message and per row:
+
+- ``{"type": "text", "text": ...}`` (or ``input_text``), or plain string content;
+- ``{"type": "image", "image": X}`` (Ray's form), ``{"type": "image_url", "image_url":
+  {"url": X}}`` (OpenAI's), ``{"type": "input_image", "image_url": X}``, ``{"type":
+  "image_pil", "image_pil": X}``, where X is a PIL image, bytes, a data URL, an http(s) URL, a
+  ``file://`` URL or a local path (or a ``{"bytes"|"path"|"url": ...}`` dict);
+- ``audio_url`` / ``input_audio`` / ``video_url`` parts go to vLLM as they are (after the URL
+  policy check), and vLLM reads them.
+
+Every image is decoded here once (:mod:`llmbatch.io.media`: a size cap per item, URL timeouts
+and retries, the allowed paths and hosts) and handed on as a decoded image. A part with an
+unknown type or key is an error row that names it; nothing is dropped silently. Each row gets
+a digest of its media, so that rows with the same text and different images are different
+requests (dedup) and rows with the same images run together (prefix order).
 """
 
 from __future__ import annotations
 
-import base64
-import io
-import os
+import hashlib
 from typing import Any
 
-from llmbatch.errors import MissingDependencyError, RowValidationError
-from llmbatch.rows import Row
+from llmbatch.engines.vllm_chat import VllmChat
+from llmbatch.errors import RowValidationError
+from llmbatch.io.media import MediaPolicy, load_image
+from llmbatch.rows import MEDIA_DIGEST, MM_PARSED, ROLES, Row
 from llmbatch.stages.base import Stage
 
-IMAGE_PART_TYPES = ("image", "image_url", "input_image")
+__all__ = ["MediaPolicy", "PrepareMultimodalStage", "load_image", "prepare_messages"]
+
+#: Part type -> (the key holding its payload, other keys it may have).
+PART_KEYS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "text": ("text", ()),
+    "input_text": ("text", ()),
+    "image": ("image", ()),
+    "image_url": ("image_url", ("detail",)),
+    "input_image": ("image_url", ("detail", "file_id")),
+    "image_pil": ("image_pil", ()),
+    "audio_url": ("audio_url", ()),
+    "input_audio": ("input_audio", ()),
+    "video_url": ("video_url", ()),
+}
+IMAGE_PART_TYPES = ("image", "image_url", "input_image", "image_pil")
+#: Message keys OpenAI's chat format has (others are typos, and errors).
+MESSAGE_KEYS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id", "reasoning", "reasoning_content",
+                          "refusal", "function_call"})
 
 
-class MediaPolicy:
-    """Which media a row may name (vLLM's option names, set in ``engine_kwargs``):
-    ``allowed_local_media_path`` (local files only under this folder) and
-    ``allowed_media_domains`` (URLs only from these hosts). Unset: no restriction."""
-
-    def __init__(self, allowed_local_media_path: str | None = None, allowed_media_domains: list[str] | None = None):
-        self.root = os.path.realpath(allowed_local_media_path) if allowed_local_media_path else None
-        self.domains = [d.lower() for d in allowed_media_domains or []]
-
-    def check_url(self, url: str) -> None:
-        if not self.domains:
-            return
-        from urllib.parse import urlsplit
-
-        host = (urlsplit(url).hostname or "").lower()
-        if not any(host == d or host.endswith("." + d) for d in self.domains):
-            raise RowValidationError(f"media URL host {host!r} is not in allowed_media_domains {self.domains}")
-
-    def check_path(self, path: str) -> str:
-        real = os.path.realpath(path)
-        if self.root is not None and os.path.commonpath([self.root, real]) != self.root:
-            raise RowValidationError(f"media path {path!r} is outside allowed_local_media_path {self.root!r}")
-        return real
+def _url_of(value: Any) -> Any:
+    return value.get("url") if isinstance(value, dict) and "url" in value else value
 
 
-def load_image(value: Any, policy: MediaPolicy | None = None):
-    """Decode an image given as PIL image, bytes, data URL, http(s) URL or path (URLs and
-    paths as ``policy`` allows)."""
-    policy = policy or MediaPolicy()
-    try:
-        from PIL import Image
-    except ImportError as exc:  # pragma: no cover - pillow comes with vllm
-        raise MissingDependencyError("images in messages", "pillow") from exc
-    if isinstance(value, dict):
-        value = value.get("url", value.get("bytes"))
-    if isinstance(value, Image.Image):
-        return value.convert("RGB")
-    data: bytes
-    if isinstance(value, (bytes, bytearray)):
-        data = bytes(value)
-    elif isinstance(value, str) and value.startswith("data:"):
-        try:
-            data = base64.b64decode(value.split(",", 1)[1])
-        except (IndexError, ValueError) as exc:
-            raise RowValidationError(f"image data URL is not valid base64: {exc}") from exc
-    elif isinstance(value, str) and value.startswith(("http://", "https://")):
-        import urllib.request
+def _check_part(part: Any, where: str) -> tuple[str, Any]:
+    if isinstance(part, str):
+        return "text", part
+    if not isinstance(part, dict):
+        raise RowValidationError(f"{where} must be a dict with a 'type', got {type(part).__name__}")
+    kind = part.get("type")
+    if kind not in PART_KEYS:
+        known = ", ".join(PART_KEYS)
+        guess = next((k for k in PART_KEYS if k in part), None)
+        hint = f" (it has a {guess!r} key: type {guess!r}?)" if guess else ""
+        raise RowValidationError(f"{where} has unknown content part type {kind!r}{hint}; known types: {known}")
+    payload, extra = PART_KEYS[kind]
+    for key in part:
+        if key not in ("type", "uuid", payload, *extra):
+            raise RowValidationError(f"{where} (type {kind!r}) has unknown key {key!r}; a {kind!r} part takes "
+                                     f"{payload!r}" + (f" (and {', '.join(map(repr, extra))})" if extra else ""))
+    if part.get(payload) is None:
+        raise RowValidationError(f"{where} (type {kind!r}) has no {payload!r}")
+    return kind, part[payload]
 
-        policy.check_url(value)
-        with urllib.request.urlopen(value, timeout=30) as resp:  # noqa: S310 - user-given URL, policy checked
-            data = resp.read()
-    elif isinstance(value, str):
-        path = policy.check_path(value.removeprefix("file://"))
-        try:
-            with open(path, "rb") as fh:
-                data = fh.read()
-        except OSError as exc:
-            raise RowValidationError(f"cannot read image {value!r}: {exc}") from exc
-    else:
-        raise RowValidationError(f"an image must be a PIL image, bytes, a data URL, a URL or a path; got {type(value).__name__}")
-    try:
-        image = Image.open(io.BytesIO(data))
-        image.load()
-    except Exception as exc:  # noqa: BLE001 - PIL raises several types for undecodable data
-        raise RowValidationError(f"the image part is not a decodable image ({type(exc).__name__}: {exc})") from exc
-    return image.convert("RGB")
+
+def prepare_messages(messages: Any, policy: MediaPolicy) -> tuple[list[dict[str, Any]], str | None]:
+    """``messages`` checked, with every image decoded into an ``image_pil`` part (vLLM's form
+    for a decoded image), and a digest of the row's media (None without media)."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise RowValidationError("'messages' must be a non-empty list of {'role', 'content'} dicts")
+    digest = hashlib.blake2b(digest_size=16)
+    media = 0
+    out = []
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict):
+            raise RowValidationError(f"messages[{i}] must be a dict with 'role' and 'content', got {type(msg).__name__}")
+        if msg.get("role") not in ROLES:
+            raise RowValidationError(f"messages[{i}] has role {msg.get('role')!r}; use one of {', '.join(ROLES)}")
+        unknown = sorted(k for k in msg if k not in MESSAGE_KEYS)
+        if unknown:
+            raise RowValidationError(f"messages[{i}] has unknown key {unknown[0]!r}; media go in 'content' as parts")
+        content = msg.get("content")
+        if content is None or isinstance(content, str):
+            out.append(dict(msg))
+            continue
+        if not isinstance(content, (list, tuple)):
+            raise RowValidationError(f"messages[{i}].content must be a string or a list of parts, "
+                                     f"got {type(content).__name__}")
+        parts = []
+        for j, part in enumerate(content):
+            where = f"messages[{i}].content[{j}]"
+            kind, value = _check_part(part, where)
+            if kind in IMAGE_PART_TYPES:
+                try:
+                    image = load_image(_url_of(value), policy)
+                except RowValidationError as exc:
+                    raise RowValidationError(f"{where}: {exc}") from None
+                uuid = part.get("uuid")
+                digest.update(str(uuid).encode() if uuid is not None else _image_digest(image))
+                media += 1
+                parts.append({"type": "image_pil", "image_pil": image, **({"uuid": uuid} if uuid is not None else {})})
+            elif kind in ("audio_url", "video_url", "input_audio"):
+                url = _url_of(value)
+                if isinstance(url, str) and url.startswith(("http://", "https://")):
+                    policy.check_url(url)
+                digest.update(repr(part).encode())
+                media += 1
+                parts.append(dict(part))
+            else:
+                parts.append(part if isinstance(part, dict) else {"type": "text", "text": part})
+        out.append({**msg, "content": parts})
+    return out, (digest.hexdigest() if media else None)
+
+
+def _image_digest(image) -> bytes:
+    h = hashlib.blake2b(digest_size=16)
+    h.update(f"{image.mode}{image.size}".encode())
+    h.update(image.tobytes())
+    return h.digest()
 
 
 class PrepareMultimodalStage(Stage):
-    """Collects the image parts of ``messages`` into ``multimodal_data``."""
+    """Decodes the media of ``messages`` and parses them with vLLM's chat parser: ``messages``
+    becomes the parsed conversation (the model's placeholders in place), ``multimodal_data``
+    and ``multimodal_uuids`` what the engine needs beside the prompt."""
 
     name = "prepare_multimodal"
 
-    def __init__(self, policy: MediaPolicy | None = None):
+    def __init__(self, chat: VllmChat, policy: MediaPolicy | None = None):
         super().__init__()
+        self.chat = chat
         self.policy = policy or MediaPolicy()
 
+    def setup(self) -> None:
+        self.chat.setup()
+
     def process_row(self, row: Row) -> None:
-        images = []
-        messages = row.get("messages")
-        if not isinstance(messages, list):
-            return  # prompt rows, or malformed messages (the chat template stage reports those)
-        for msg in messages:
-            content = msg.get("content") if isinstance(msg, dict) else None
-            if not isinstance(content, list):
-                continue
-            for part in content:
-                if isinstance(part, dict) and part.get("type") in IMAGE_PART_TYPES:
-                    raw = part.get("image", part.get("image_url", part.get("input_image")))
-                    images.append(load_image(raw, self.policy))
-                    part.clear()
-                    part["type"] = "image"
-        if images:
-            row["multimodal_data"] = {"image": images if len(images) > 1 else images[0]}
+        if row.get("messages") is None:
+            return  # a prompt row: nothing to parse
+        messages, digest = prepare_messages(row["messages"], self.policy)
+        conversation, mm_data, mm_uuids = self.chat.parse(messages, row.get("mm_processor_kwargs"))
+        row["messages"] = conversation
+        row[MM_PARSED] = True
+        if mm_data:
+            row["multimodal_data"] = mm_data
+            row["multimodal_uuids"] = mm_uuids
+            row[MEDIA_DIGEST] = digest

@@ -1,0 +1,210 @@
+"""Reading media named by row data: images (and audio) given as objects, bytes, data URLs,
+http(s) URLs or local paths, decoded once, with bounded memory.
+
+- Every item is capped (``max_bytes``): a URL is read at most that far, a file larger than it
+  is refused before it is read, a decoded image may hold at most that many pixel bytes.
+- URLs get a timeout per try and a few tries with backoff (connection errors, timeouts and
+  5xx answers are retried; 4xx are not).
+- :class:`MediaPolicy` says which paths and hosts a row may name (vLLM's option names:
+  ``allowed_local_media_path``, ``allowed_media_domains``; unset: no restriction).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+from llmbatch.errors import MissingDependencyError, RowValidationError
+
+#: Default cap on one media item (encoded bytes, or decoded pixel bytes): 64 MiB.
+DEFAULT_MAX_BYTES = 64 << 20
+
+
+@dataclass
+class MediaPolicy:
+    """Where media may come from and how much of it one item may be.
+
+    ``allowed_local_media_path``: local files only under this folder (symlinks resolved);
+    ``allowed_media_domains``: URLs only from these hosts (and their subdomains);
+    ``max_bytes``: the cap per item; ``timeout_s`` / ``retries``: per URL try, tries after
+    the first."""
+
+    allowed_local_media_path: str | None = None
+    allowed_media_domains: list[str] | None = None
+    max_bytes: int = DEFAULT_MAX_BYTES
+    timeout_s: float = 20.0
+    retries: int = 2
+    root: str | None = field(init=False, default=None)
+
+    def __post_init__(self):
+        if self.allowed_local_media_path:
+            self.root = os.path.realpath(self.allowed_local_media_path)
+        self.domains = [d.lower() for d in self.allowed_media_domains or []]
+
+    def check_url(self, url: str) -> None:
+        if not self.domains:
+            return
+        host = (urlsplit(url).hostname or "").lower()
+        if not any(host == d or host.endswith("." + d) for d in self.domains):
+            raise RowValidationError(f"media URL host {host!r} is not in allowed_media_domains {self.domains}")
+
+    def check_path(self, path: str) -> str:
+        real = os.path.realpath(path)
+        if self.root is not None and os.path.commonpath([self.root, real]) != self.root:
+            raise RowValidationError(f"media path {path!r} is outside allowed_local_media_path {self.root!r}")
+        return real
+
+    def too_big(self, size: int, what: str) -> RowValidationError:
+        return RowValidationError(f"{what} is {size} bytes, over the cap of {self.max_bytes} bytes per media item "
+                                  "(prepare_multimodal_stage.max_item_bytes)")
+
+
+def _short(value: str, n: int = 80) -> str:
+    return value if len(value) <= n else value[:n] + "..."
+
+
+def fetch_url(url: str, policy: MediaPolicy) -> bytes:
+    """The body of ``url`` (at most ``policy.max_bytes``), with a timeout per try and retries."""
+    import urllib.error
+    import urllib.request
+
+    policy.check_url(url)
+    last: BaseException | None = None
+    for attempt in range(policy.retries + 1):
+        if attempt:
+            time.sleep(min(2.0, 0.25 * 2 ** (attempt - 1)))
+        try:
+            with urllib.request.urlopen(url, timeout=policy.timeout_s) as resp:  # noqa: S310 - policy checked
+                length = resp.headers.get("Content-Length")
+                if length and length.isdigit() and int(length) > policy.max_bytes:
+                    raise policy.too_big(int(length), f"media URL {_short(url)!r}")
+                data = resp.read(policy.max_bytes + 1)
+                if len(data) > policy.max_bytes:
+                    raise policy.too_big(len(data), f"media URL {_short(url)!r} (at least)")
+                return data
+        except urllib.error.HTTPError as exc:
+            last = exc
+            if exc.code < 500:
+                break
+        except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as exc:
+            last = exc
+    reason = getattr(last, "reason", None) or last
+    raise RowValidationError(f"could not fetch media URL {_short(url)!r} after {attempt + 1} tries "
+                             f"(timeout {policy.timeout_s:g}s each): {type(last).__name__}: {reason}")
+
+
+def read_path(path: str, policy: MediaPolicy) -> bytes:
+    real = policy.check_path(path)
+    try:
+        size = os.path.getsize(real)
+        if size > policy.max_bytes:
+            raise policy.too_big(size, f"media file {path!r}")
+        with open(real, "rb") as fh:
+            return fh.read()
+    except OSError as exc:
+        raise RowValidationError(f"cannot read media file {path!r}: {exc.strerror or exc}") from exc
+
+
+def media_bytes(value: Any, policy: MediaPolicy, kind: str = "image") -> bytes:
+    """Raw bytes of a media item given as bytes, a data URL, an http(s) URL, a ``file://`` URL
+    or a local path (or a ``{"bytes": ...}`` / ``{"path": ...}`` / ``{"url": ...}`` dict, as
+    Hugging Face datasets and Parquet files hold images)."""
+    if isinstance(value, dict):
+        for key in ("bytes", "url", "path"):
+            if value.get(key) is not None:
+                return media_bytes(value[key], policy, kind)
+        raise RowValidationError(f"an {kind} dict needs 'bytes', 'url' or 'path'; got keys {sorted(value)}")
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        data = bytes(value)
+        if len(data) > policy.max_bytes:
+            raise policy.too_big(len(data), f"the {kind} bytes")
+        return data
+    if not isinstance(value, str):
+        raise RowValidationError(f"an {kind} must be given as bytes, a data URL, a URL or a path; "
+                                 f"got {type(value).__name__}")
+    if value.startswith("data:"):
+        head, _, payload = value.partition(",")
+        if not payload or ";base64" not in head:
+            raise RowValidationError(f"the {kind} data URL must be 'data:<type>;base64,<data>'")
+        if len(payload) * 3 // 4 > policy.max_bytes:
+            raise policy.too_big(len(payload) * 3 // 4, f"the {kind} data URL")
+        try:
+            return base64.b64decode(payload, validate=False)
+        except ValueError as exc:
+            raise RowValidationError(f"the {kind} data URL is not valid base64: {exc}") from exc
+    if value.startswith(("http://", "https://")):
+        return fetch_url(value, policy)
+    if "://" in value and not value.startswith("file://"):
+        raise RowValidationError(f"unsupported {kind} URL scheme in {_short(value)!r}; use http(s), file or data URLs")
+    return read_path(value.removeprefix("file://"), policy)
+
+
+def _pil():
+    try:
+        from PIL import Image
+    except ImportError as exc:  # pragma: no cover - pillow comes with vllm
+        raise MissingDependencyError("images in messages", "pillow") from exc
+    return Image
+
+
+def load_image(value: Any, policy: MediaPolicy | None = None):
+    """An RGB PIL image from a PIL image, bytes, a data URL, an http(s) URL or a path."""
+    policy = policy or MediaPolicy()
+    Image = _pil()
+    if isinstance(value, Image.Image):
+        image = value
+    else:
+        data = media_bytes(value, policy, "image")
+        try:
+            image = Image.open(io.BytesIO(data))
+            pixels = image.width * image.height * max(3, len(image.getbands()))
+            if pixels > policy.max_bytes:
+                raise policy.too_big(pixels, f"the decoded image ({image.width}x{image.height})")
+            image.load()
+        except RowValidationError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - PIL raises several types for undecodable data
+            raise RowValidationError(f"the image is not a decodable image ({type(exc).__name__}: {exc})") from exc
+    pixels = image.width * image.height * 3
+    if pixels > policy.max_bytes:
+        raise policy.too_big(pixels, f"the image ({image.width}x{image.height}, RGB)")
+    return image if image.mode == "RGB" else image.convert("RGB")
+
+
+def load_audio(value: Any, policy: MediaPolicy | None = None, sampling_rate: float | None = None):
+    """``(samples, sampling_rate)`` from a ``(array, rate)`` pair, an array with
+    ``sampling_rate``, or encoded audio (bytes, data URL, URL, path) that soundfile/librosa
+    can read."""
+    import numpy as np
+
+    policy = policy or MediaPolicy()
+    if isinstance(value, (tuple, list)) and len(value) == 2 and not isinstance(value[0], (int, float)):
+        value, sampling_rate = value
+    if isinstance(value, dict) and ("array" in value or "data" in value) and not isinstance(value.get("data"), str):
+        sampling_rate = value.get("sampling_rate", sampling_rate)
+        value = value.get("array", value.get("data"))
+    if isinstance(value, np.ndarray) or (isinstance(value, list) and value and isinstance(value[0], (int, float))):
+        samples = np.asarray(value, dtype=np.float32)
+        if sampling_rate is None:
+            raise RowValidationError("an audio array needs its sampling rate: give (array, rate) or "
+                                     "{'array': ..., 'sampling_rate': ...}")
+        if samples.nbytes > policy.max_bytes:
+            raise policy.too_big(samples.nbytes, "the audio array")
+        return samples, float(sampling_rate)
+    data = media_bytes(value, policy, "audio")
+    try:
+        import soundfile
+
+        samples, rate = soundfile.read(io.BytesIO(data), dtype="float32", always_2d=False)
+    except ImportError as exc:
+        raise MissingDependencyError("encoded audio in messages", "soundfile") from exc
+    except Exception as exc:  # noqa: BLE001 - soundfile raises several types for undecodable data
+        raise RowValidationError(f"the audio is not decodable ({type(exc).__name__}: {exc})") from exc
+    if samples.ndim > 1:
+        samples = samples.mean(axis=1)
+    return samples, float(rate)
