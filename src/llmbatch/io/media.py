@@ -208,3 +208,24 @@ def load_audio(value: Any, policy: MediaPolicy | None = None, sampling_rate: flo
     if samples.ndim > 1:
         samples = samples.mean(axis=1)
     return samples, float(rate)
+
+
+#: File suffixes a folder of images is read for.
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".gif", ".bmp", ".tif", ".tiff")
+
+
+def is_image_folder(path: str) -> bool:
+    return os.path.isdir(path) and any(n.lower().endswith(IMAGE_SUFFIXES) for n in os.listdir(path))
+
+
+def read_image_folder(path: str, batch_rows: int = 8192):
+    """A folder of image files (recursively, sorted by name) as rows ``{"path", "name"}``: the
+    images are read by the multimodal stage, from the path, not copied into the job."""
+    root = os.path.realpath(path)
+    names = []
+    for folder, dirs, files in os.walk(root):
+        dirs.sort()
+        names.extend(os.path.relpath(os.path.join(folder, f), root) for f in files if f.lower().endswith(IMAGE_SUFFIXES))
+    names.sort()
+    for start in range(0, len(names), batch_rows):
+        yield [{"path": os.path.join(root, n), "name": n} for n in names[start:start + batch_rows]]

@@ -1,7 +1,8 @@
 """Reading job inputs as a stream of row batches, in bounded memory.
 
-Formats: ``csv``, ``jsonl``, ``json`` (one array of objects), ``parquet`` and ``hf`` (a
-Hugging Face dataset saved with ``save_to_disk``, read without the ``datasets`` package).
+Formats: ``csv``, ``jsonl``, ``json`` (one array of objects), ``parquet``, ``hf`` (a
+Hugging Face dataset saved with ``save_to_disk``, read without the ``datasets`` package) and
+``images`` (a folder of image files: one row per file, ``path`` and ``name``).
 Paths may be local, ``http(s)://`` or ``s3://`` / ``gs://`` (fsspec; s3fs / gcsfs).
 
 A malformed record never stops the read: it becomes a row whose :data:`READ_ERROR` column
@@ -23,10 +24,11 @@ from typing import Any
 import pyarrow as pa
 
 from llmbatch.errors import ConfigError, MissingDependencyError
+from llmbatch.io.media import is_image_folder, read_image_folder
 
 #: Column carrying a row's read error ("" when the row was read fine).
 READ_ERROR = "__llmbatch_read_error"
-FORMATS = ("csv", "jsonl", "json", "parquet", "hf")
+FORMATS = ("csv", "jsonl", "json", "parquet", "hf", "images")
 DEFAULT_BATCH_ROWS = 8192
 #: A cell larger than this is kept but the row is flagged (it is almost always a broken file).
 MAX_CELL_BYTES = 64 * 1024 * 1024
@@ -49,6 +51,8 @@ def infer_format(path: str) -> str:
         return "hf"
     if os.path.isdir(lower) and any(n.endswith(".parquet") for n in os.listdir(lower)):
         return "parquet"
+    if is_image_folder(lower):
+        return "images"
     raise ConfigError(f"cannot tell the format of {path!r}; set input.format to one of {', '.join(FORMATS)}")
 
 
@@ -314,7 +318,12 @@ def read_hf(path: str, batch_rows: int = DEFAULT_BATCH_ROWS) -> Iterator[list[di
                     yield _from_batch(batch.slice(start, batch_rows))
 
 
-READERS = {"csv": read_csv, "jsonl": read_jsonl, "json": read_json, "parquet": read_parquet, "hf": read_hf}
+def read_images(path: str, batch_rows: int = DEFAULT_BATCH_ROWS) -> Iterator[list[dict[str, Any]]]:
+    return ([{**r, READ_ERROR: ""} for r in rows] for rows in read_image_folder(path, batch_rows))
+
+
+READERS = {"csv": read_csv, "jsonl": read_jsonl, "json": read_json, "parquet": read_parquet, "hf": read_hf,
+           "images": read_images}
 
 
 def read_rows(path: str, fmt: str | None = None, columns: list[str] | None = None,

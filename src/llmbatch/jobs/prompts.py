@@ -102,7 +102,14 @@ class TemplatePreprocess:
         messages = []
         if p.system:
             messages.append({"role": "system", "content": render(p.system, row)})
-        messages.append({"role": "user", "content": render(p.user, row)})
+        text = render(p.user, row)
+        if p.image_column is not None:
+            image = row.get(p.image_column)
+            if is_missing(image) or (isinstance(image, dict) and not any(image.get(k) for k in ("bytes", "path", "url"))):
+                raise RowValidationError(f"column {p.image_column!r} (the image) is empty in this row")
+            messages.append({"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": text}]})
+        else:
+            messages.append({"role": "user", "content": text})
         out["messages"] = messages
         return out
 

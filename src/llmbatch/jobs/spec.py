@@ -56,7 +56,7 @@ class InputSpec(_Config):
     """Where the rows come from."""
 
     path: str = Field(..., description="Local path, http(s):// URL, or s3:// / gs:// (with the s3/gcs extra).")
-    format: Optional[Literal["csv", "jsonl", "json", "parquet", "hf", "openai-batch"]] = Field(None, description="Input format; inferred from the path when omitted. 'hf' is a Hugging Face dataset saved with save_to_disk; 'openai-batch' an OpenAI Batch API file (one request per line: custom_id, method, url, body), which needs no prompt.")
+    format: Optional[Literal["csv", "jsonl", "json", "parquet", "hf", "images", "openai-batch"]] = Field(None, description="Input format; inferred from the path when omitted. 'hf' is a Hugging Face dataset saved with save_to_disk; 'images' a folder of image files (one row per file: path, name; use prompt.image_column: path); 'openai-batch' an OpenAI Batch API file (one request per line: custom_id, method, url, body), which needs no prompt.")
     limit: Optional[int] = Field(None, ge=1, description="Read only the first N rows.")
     columns: Optional[list[str]] = Field(None, description="Read only these columns.")
     id_column: Optional[str] = Field(None, description="Column with a unique id per row. Without it, the row's position in the input is its id.")
@@ -101,6 +101,7 @@ class PromptSpec(_Config):
     messages_column: Optional[str] = Field(None, description="A column that already holds OpenAI chat messages.")
     prompt_column: Optional[str] = Field(None, description="A column holding raw prompt text (skips the chat template).")
     text_column: Optional[str] = Field(None, description="Pooling tasks (embed, classify): the column whose text is embedded or classified, as is.")
+    image_column: Optional[str] = Field(None, description="A column holding an image per row (bytes, a path, a URL, or a {bytes, path} struct): it goes into the user message before the prompt.user text, and the multimodal stage is turned on.")
     pair_columns: Optional[list[str]] = Field(None, min_length=2, max_length=2, description="task score: the two columns whose texts are scored against each other, e.g. [query, passage].")
     choices: Optional[list[str]] = Field(None, description="Constrain the answer to one of these strings.")
     json_schema: Optional[Any] = Field(None, description="Constrain the answer to JSON matching this schema.")
@@ -116,6 +117,8 @@ class PromptSpec(_Config):
         constraints = [self.choices is not None, self.json_schema is not None, self.regex is not None]
         if sum(constraints) > 1:
             raise ValueError("give at most one of prompt.choices, prompt.json_schema or prompt.regex")
+        if self.image_column is not None and self.user is None:
+            raise ValueError("prompt.image_column needs a prompt.user text to ask about the image")
         for name in ("system", "user"):
             template = getattr(self, name)
             if template is not None:
@@ -131,7 +134,7 @@ class PromptSpec(_Config):
         for template in (self.system, self.user):
             if template:
                 names.extend(template_fields(template))
-        names.extend(c for c in (self.messages_column, self.prompt_column, self.text_column) if c)
+        names.extend(c for c in (self.messages_column, self.prompt_column, self.text_column, self.image_column) if c)
         names.extend(self.pair_columns or [])
         return list(dict.fromkeys(names))
 
@@ -231,6 +234,9 @@ class JobSpec(_Config):
             fields["task_type"] = self.task
         if cls is not HttpRequestProcessorConfig:
             fields["model_source"] = self.model.source
+        if self.prompt is not None and self.prompt.image_column is not None:
+            mm = fields.get("prepare_multimodal_stage")
+            fields["prepare_multimodal_stage"] = {**mm, "enabled": True} if isinstance(mm, dict) else True
         try:
             return cls(**fields)
         except ConfigError as exc:
