@@ -143,7 +143,7 @@ def _tiny_vlm(out: Path, seed: int) -> None:
     end = tok.convert_tokens_to_ids("<end_of_utterance>")
     text = transformers.LlamaConfig(
         vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=64, max_position_embeddings=2048, bos_token_id=tok.bos_token_id,
+        num_key_value_heads=1, head_dim=64, max_position_embeddings=8192, bos_token_id=tok.bos_token_id,
         eos_token_id=end, pad_token_id=tok.pad_token_id, tie_word_embeddings=False)
     vision = transformers.Idefics3VisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                                num_attention_heads=2, image_size=64, patch_size=16)

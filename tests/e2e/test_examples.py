@@ -34,7 +34,7 @@ def test_every_example_is_covered():
     jobs = sorted(p.name for p in EXAMPLES.glob("*.yaml"))
     scripts = sorted(p.name for p in EXAMPLES.glob("*.py") if p.name != "notes.py")
     assert jobs == ["classify.yaml", "embed.yaml", "industry.yaml", "score.yaml", "welcome_notes.yaml"]
-    assert scripts == ["quickstart.py"]
+    assert scripts == ["captioning.py", "quickstart.py", "vision_qa.py"]
 
 
 def test_industry_example(ray_cluster, smollm2, sample_csv, tmp_path):
@@ -129,3 +129,29 @@ def test_classify_example_and_its_resume(ray_cluster, test_models, tmp_path):
     assert stats["rows_this_run"] == lost
     again = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
     assert sorted(again) == sorted(first) and all(again[i]["label"] == first[i]["label"] for i in first)
+
+
+def run_script(name: str, *args: str) -> str:
+    proc = subprocess.run([sys.executable, str(EXAMPLES / name), *args], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"}, timeout=900)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    return proc.stdout
+
+
+def test_the_seeds_vision_flows(ray_cluster, test_models):
+    """The COCO-style question flow (has_image=True, PIL images) and the captioning flow over
+    binary images without its corrupt-image filter (the corrupt ones become error rows); the
+    filter itself keeps exactly the decodable images."""
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        from captioning import is_valid_image
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    from llmbatch.sample_images import sample_images
+
+    items = sample_images(16, seed=9, corrupt=2)
+    assert [is_valid_image({"image_bytes": it["image"]}) for it in items] == [not it["corrupt"] for it in items]
+    assert "6 answers" in run_script("vision_qa.py", "6")
+    out = run_script("captioning.py", "16", "--no-filter")
+    assert "14 captions, 2 errors" in out
+    assert out.count("error: preprocess: ") == 2  # undecodable, truncated
