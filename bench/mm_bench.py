@@ -3,6 +3,7 @@ same engine settings, same timing windows.
 
     python bench/mm_bench.py --smoke                     # this CPU: the tiny seeded VLM, 24 images
     python bench/mm_bench.py --model DIR --device gpu --load-format dummy --rows 2000 --repeats 3
+    python bench/mm_bench.py ... --repeats 1 --start-repeat 1 --json r1.json   # one repeat per call
 
 Workload (the seeds' captioning flow): N seeded images (PIL-drawn, JPEG/PNG, ``--image-size``)
 in a Parquet file of bytes, written once before any run; per row the preprocess decodes the
@@ -210,6 +211,8 @@ def main() -> None:
     p.add_argument("--systems", default="vllm,llmbatch")
     p.add_argument("--rows", type=int, default=2000)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--start-repeat", type=int, default=0,
+                   help="number the repeats from here (the order alternates by number): split repeats over calls")
     p.add_argument("--model")
     p.add_argument("--device", choices=["cpu", "gpu"], default="gpu")
     p.add_argument("--load-format", default=None, help="'dummy' for a weight-less model folder")
@@ -248,7 +251,7 @@ def main() -> None:
     cpu = cpu_stage_rate(data, args.resize)
     print(json.dumps({"cpu_stage": cpu}), flush=True)
     runs: list[dict] = []
-    for rep in range(args.repeats):
+    for rep in range(args.start_repeat, args.start_repeat + args.repeats):
         for system in systems if rep % 2 == 0 else systems[::-1]:  # interleaved, alternating order
             folder = work / f"{system}-{rep}"
             folder.mkdir()

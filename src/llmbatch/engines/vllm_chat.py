@@ -69,7 +69,10 @@ class VllmChat:
 
     def parse(self, messages: list[dict[str, Any]], mm_processor_kwargs: dict[str, Any] | None = None):
         """``(conversation, multi_modal_data, multi_modal_uuids)`` as ``LLM.chat`` makes them."""
-        from vllm.renderers.chat_utils import parse_chat_messages
+        try:
+            from vllm.renderers.chat_utils import parse_chat_messages
+        except ImportError:  # vLLM before 0.32
+            from vllm.entrypoints.chat_utils import parse_chat_messages
 
         self.setup()
         system: list[dict[str, Any]] = []
