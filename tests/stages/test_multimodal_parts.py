@@ -77,3 +77,12 @@ def test_media_in_messages_without_the_multimodal_stage_says_how_to_enable_it():
     stage.tokenizer = object()  # never reached
     with pytest.raises(RowValidationError, match="prepare_multimodal_stage"):
         stage.process_row({"messages": user({"type": "image", "image": b"x"}, {"type": "text", "text": "hi"})})
+
+
+def test_apply_sys_msg_formatting_keeps_system_prompts_as_plain_text():
+    from llmbatch.engines.vllm_chat import _text_of
+
+    assert _text_of([{"type": "text", "text": "Be"}, "brief."]) == "Be\nbrief."
+    assert _text_of("Be brief.") == "Be brief."
+    with pytest.raises(RowValidationError, match="only text when apply_sys_msg_formatting"):
+        _text_of([{"type": "image_pil", "image_pil": None}])
