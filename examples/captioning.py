@@ -5,7 +5,9 @@ that drops corrupt images, a resize in the preprocess.
     python examples/captioning.py [ROWS] [MODEL] [--no-filter]
 
 Without the filter (``--no-filter``) the corrupt images fail in the preprocess and become error
-rows (``should_continue_on_error=True``) while the others are captioned. MODEL defaults to the
+rows (``should_continue_on_error=True``) while the others are captioned. With it, the bytes that
+are no image are dropped; a truncated JPEG passes ``Image.verify()`` and still becomes an error
+row. MODEL defaults to the
 seeded tiny VLM, whose captions mean nothing; on a GPU pass a real VLM.
 """
 
