@@ -13,8 +13,11 @@ Every system runs in a fresh process, interleaved (vllm, llmbatch, llmbatch, vll
 
 - ``vllm``: read the Parquet file, decode+resize every image in the process, one
   ``LLM.chat(all conversations)``, write ``id, caption`` to Parquet;
-- ``llmbatch``: ``ray.data.read_parquet`` -> the processor (preprocess decodes+resizes in its
-  CPU stage, the multimodal stage hands the images to vLLM's chat path) -> ``write_parquet``.
+- ``llmbatch``: ``ray.data.read_parquet`` -> the processor (preprocess decodes+resizes, the
+  multimodal stage hands the images to vLLM's chat path, both inside the engine replica, the
+  default) -> ``write_parquet``;
+- ``llmbatch-pool`` (add it with ``--systems vllm,llmbatch,llmbatch-pool``): the same, with the
+  preprocess and the multimodal stage in CPU workers of their own (``--mm-concurrency``).
 
 Windows, measured identically for both:
 - **wall** (the headline): from the parent starting the process to the output file closed;
@@ -103,7 +106,7 @@ def run_vllm(args, out: Path) -> dict:
             "input_tokens": prompt_tokens}
 
 
-def run_llmbatch(args, out: Path) -> dict:
+def run_llmbatch(args, out: Path, pool: int | None = None) -> dict:
     import pyarrow.parquet as pq
     import ray
 
@@ -112,12 +115,16 @@ def run_llmbatch(args, out: Path) -> dict:
 
     ray.init(include_dashboard=False, logging_level="WARNING")
     ray.data.DataContext.get_current().enable_progress_bars = False
+    # llmbatch-pool: the preprocess and the multimodal stage in a pool of CPU workers of their
+    # own (images travel decoded to the replica); llmbatch: both inside the engine replica
+    mm = {"enabled": True, **({"concurrency": (1, pool)} if pool else {})}
     config = vLLMEngineProcessorConfig(model_source=args.model, engine_kwargs=engine_kwargs(args),
                                        batch_size=args.batch_size, should_continue_on_error=True,
-                                       prepare_multimodal_stage={"enabled": True})
+                                       prepare_multimodal_stage=mm)
     size, params = args.resize, sampling(args)
     processor = build_processor(
         config, preprocess=lambda r: dict(messages=conversation(decode_resize(r["image"], size)), sampling_params=params),
+        preprocess_map_kwargs={"concurrency": (1, pool)} if pool else None,
         postprocess=lambda r: dict(id=r["id"], caption=r["generated_text"], n_out=r["num_generated_tokens"],
                                    n_in=r["num_input_tokens"]),
         keep_private=(STATS,))
@@ -134,7 +141,8 @@ def run_llmbatch(args, out: Path) -> dict:
             "input_tokens": sum(n or 0 for n in table.column("n_in").to_pylist()), "folder": str(folder)}
 
 
-SYSTEMS = {"vllm": run_vllm, "llmbatch": run_llmbatch}
+SYSTEMS = {"vllm": run_vllm, "llmbatch": run_llmbatch,
+           "llmbatch-pool": lambda args, out: run_llmbatch(args, out, pool=args.mm_concurrency)}
 
 
 def child(args) -> None:
@@ -178,7 +186,7 @@ def cpu_stage_rate(data: Path, size: int, n: int = 200) -> dict:
 def run_one(system: str, args, data: Path, folder: Path) -> dict:
     out = folder / f"{system}.parquet"
     cmd = [sys.executable, __file__, "--child", "--system", system, "--data", str(data), "--out", str(out)]
-    for key in ("model", "device", "max_model_len", "max_tokens", "resize", "batch_size", "kv_cache_mib",
+    for key in ("model", "device", "max_model_len", "max_tokens", "resize", "batch_size", "kv_cache_mib", "mm_concurrency",
                 "gpu_memory_utilization", "load_format", "max_num_seqs"):
         value = getattr(args, key)
         if value is not None:
@@ -222,6 +230,8 @@ def main() -> None:
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--mm-concurrency", type=int, default=4,
+                   help="llmbatch-pool: CPU workers for the preprocess and the multimodal stage")
     p.add_argument("--kv-cache-mib", type=int, default=256)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--seed", type=int, default=0)

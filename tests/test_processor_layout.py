@@ -28,6 +28,13 @@ def test_stage_with_own_settings_gets_its_own_workers():
     assert ops[2].min_workers == 2
 
 
+def test_a_stage_pool_given_as_a_min_max_range_autoscales_in_it():
+    config = vLLMEngineProcessorConfig(model_source=MODEL, prepare_multimodal_stage={"enabled": True, "concurrency": (1, 4)})
+    ops = build_processor(config, preprocess=lambda r: r, preprocess_map_kwargs={"concurrency": (2, 3)}).operators()
+    assert names(ops) == ["prepare:preprocess", "prepare:prepare_multimodal", "chat_template+tokenize+engine+detokenize"]
+    assert (ops[0].min_workers, ops[0].max_workers) == (2, 3) and (ops[1].min_workers, ops[1].max_workers) == (1, 4)
+
+
 def test_fusion_can_be_switched_off():
     p = build_processor(vLLMEngineProcessorConfig(model_source=MODEL, fuse_stages=False), preprocess=lambda r: r)
     assert names(p.operators()) == ["prepare:preprocess+chat_template+tokenize", "engine", "finish:detokenize"]

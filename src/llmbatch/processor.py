@@ -142,7 +142,7 @@ class Processor:
             extra = next((s.remote_args for s in group if s.remote_args), None) or {}
             concurrency = (cfg.concurrency if cfg and cfg.concurrency else None) or extra.get("concurrency") \
                 or self.layout.concurrency[1]
-            workers = (concurrency, concurrency) if isinstance(concurrency, tuple) else (1, concurrency)
+            workers = tuple(concurrency) if isinstance(concurrency, (tuple, list)) else (1, concurrency)
             remote = {"num_cpus": DEFAULT_STAGE_NUM_CPUS}
             if cfg is not None:
                 remote.update({k: v for k, v in (("num_cpus", cfg.num_cpus), ("memory", cfg.memory),

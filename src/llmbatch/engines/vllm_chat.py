@@ -21,10 +21,6 @@ from llmbatch.engines.vllm_setup import _import_vllm, one_line
 from llmbatch.errors import ConfigError, RowValidationError
 from llmbatch.models import resolve_model
 
-#: Engine arguments that do not shape the model config (media trust is llmbatch's own).
-_NOT_MODEL = ("allowed_local_media_path", "allowed_media_domains")
-
-
 class VllmChat:
     """Parses and renders conversations as ``vllm.LLM.chat`` does, for one model. Heavy state
     (the model config, the tokenizer) loads on first use, in the worker."""
@@ -33,7 +29,9 @@ class VllmChat:
                  model_config_kwargs: dict[str, Any] | None = None, content_format: str | None = None,
                  chat_template: str | None = None, system_as_text: bool = False):
         self.model_source = model_source
-        self.engine_kwargs = {k: v for k, v in (engine_kwargs or {}).items() if k not in _NOT_MODEL}
+        # the engine's own arguments, media options included: vLLM reads the audio and video
+        # parts it is handed (images arrive decoded) under the same allowed path and hosts
+        self.engine_kwargs = dict(engine_kwargs or {})
         self.model_config_kwargs = dict(model_config_kwargs or {})
         self.given_format = content_format or "auto"
         self.chat_template = chat_template
