@@ -4,6 +4,7 @@ same engine settings, same timing windows.
     python bench/mm_bench.py --smoke                     # this CPU: the tiny seeded VLM, 24 images
     python bench/mm_bench.py --model DIR --device gpu --load-format dummy --rows 2000 --repeats 3
     python bench/mm_bench.py ... --repeats 1 --start-repeat 1 --json r1.json   # one repeat per call
+    python bench/mm_bench.py --merge r0.json r1.json r2.json                    # one table of them
 
 Workload (the seeds' captioning flow): N seeded images (PIL-drawn, JPEG/PNG, ``--image-size``)
 in a Parquet file of bytes, written once before any run; per row the preprocess decodes the
@@ -237,6 +238,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=int, default=1800)
     p.add_argument("--json", default=str(HERE / "mm-results" / "mm.json"))
+    p.add_argument("--merge", nargs="+", help="print one table from the JSON files of several calls")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--system", help=argparse.SUPPRESS)
     p.add_argument("--data", help=argparse.SUPPRESS)
@@ -244,6 +246,8 @@ def main() -> None:
     args = p.parse_args()
     if args.child:
         return child(args)
+    if args.merge:
+        return merge(args.merge)
     if args.smoke:
         sys.path.insert(0, str(HERE.parent / "src"))
         from llmbatch.toy_models import make_test_models
@@ -272,6 +276,16 @@ def main() -> None:
                 r["rows_s_steady"] = r["rows"] / r["steady_s"] if r.get("steady_s") else None
             runs.append(r)
             print(json.dumps(r), flush=True)
+    report = {"rows": args.rows, "model": args.model, "device": args.device, "engine_kwargs": engine_kwargs(args),
+              "sampling_params": sampling(args), "image_size": args.image_size, "resize": args.resize,
+              "batch_size": args.batch_size, "cpu_stage": cpu, "runs": runs}
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(summarize(report, systems), indent=1))
+    print_table(report, systems)
+
+
+def summarize(report: dict, systems: list[str]) -> dict:
+    runs = report["runs"]
     table = {s: {k: summary([r for r in runs if r["system"] == s], k)
                  for k in ("wall_s", "steady_s", "rows_s_wall", "rows_s_steady")} for s in systems}
     ratios = {}
@@ -280,12 +294,15 @@ def main() -> None:
             if s != "vllm" and table[s]["rows_s_wall"] and table["vllm"]["rows_s_wall"]:
                 ratios[s] = {k: table[s][f"rows_s_{k}"]["median"] / table["vllm"][f"rows_s_{k}"]["median"]
                              for k in ("wall", "steady") if table[s][f"rows_s_{k}"] and table["vllm"][f"rows_s_{k}"]}
-    report = {"rows": args.rows, "model": args.model, "device": args.device, "engine_kwargs": engine_kwargs(args),
-              "sampling_params": sampling(args), "image_size": args.image_size, "resize": args.resize,
-              "batch_size": args.batch_size, "cpu_stage": cpu, "runs": runs, "summary": table, "ratios_vs_vllm": ratios}
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(report, indent=1))
-    print(f"\n{args.rows} images {args.image_size} -> {args.resize}px, {args.max_tokens} tokens each, model {args.model}")
+    report.update(summary=table, ratios_vs_vllm=ratios)
+    return report
+
+
+def print_table(report: dict, systems: list[str]) -> None:
+    report = summarize(report, systems)
+    table, cpu = report["summary"], report["cpu_stage"]
+    print(f"\n{report['rows']} images {report['image_size']} -> {report['resize']}px, "
+          f"{report['sampling_params']['max_tokens']} tokens each, model {report['model']}")
     print("| system | wall s (median, min-max) | images/s wall | steady s (median, min-max) | images/s steady |")
     print("| --- | ---: | ---: | ---: | ---: |")
     for s in systems:
@@ -297,8 +314,16 @@ def main() -> None:
               + (f"{st['median']:.1f} ({st['min']:.1f}-{st['max']:.1f}) | {table[s]['rows_s_steady']['median']:.2f} |"
                  if st else "| |"))
     print(f"CPU stage: {cpu['images_per_s_one_core']:.0f} images decoded+resized/s on one core ({cpu['cores']} cores)")
-    print("ratios vs vllm (median images/s):", json.dumps(ratios))
+    print("ratios vs vllm (median images/s):", json.dumps(report["ratios_vs_vllm"]))
 
+
+def merge(paths: list[str]) -> None:
+    """One table from the JSON files of several calls (``--repeats 1 --start-repeat k`` each)."""
+    reports = [json.loads(Path(p).read_text()) for p in paths]
+    merged = {**reports[0], "runs": [r for rep in reports for r in rep["runs"]]}
+    systems = list(dict.fromkeys(r["system"] for r in merged["runs"]))
+    print_table(merged, systems)
+    print(json.dumps(summarize(merged, systems)["summary"]))
 
 if __name__ == "__main__":
     main()

@@ -145,6 +145,11 @@ class PrepareMultimodalStage(Stage):
     def setup(self) -> None:
         self.chat.setup()
 
+    async def start(self) -> None:
+        """vLLM's model config and tokenizer load with the replica, before its first row (a
+        model vLLM cannot make a config for fails the replica at once, with the reason)."""
+        self.ensure_setup()
+
     def process_row(self, row: Row) -> None:
         if row.get("messages") is None:
             return  # a prompt row: nothing to parse
