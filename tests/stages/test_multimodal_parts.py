@@ -86,3 +86,12 @@ def test_apply_sys_msg_formatting_keeps_system_prompts_as_plain_text():
     assert _text_of("Be brief.") == "Be brief."
     with pytest.raises(RowValidationError, match="only text when apply_sys_msg_formatting"):
         _text_of([{"type": "image_pil", "image_pil": None}])
+
+
+def test_other_openai_parts_pass_to_vllms_parser_as_they_are():
+    parts = [{"type": "refusal", "refusal": "no"}, {"type": "output_text", "text": "ok"},
+             {"type": "video_url", "video_url": {"url": "https://example.com/v.mp4"}}]
+    out, digest = prepare_messages([{"role": "assistant", "content": parts}], MediaPolicy())
+    assert out[0]["content"] == parts and digest is not None  # the video is media: the row has a digest
+    with pytest.raises(RowValidationError, match="not in allowed_media_domains"):
+        prepare_messages([{"role": "user", "content": parts[2:]}], MediaPolicy(allowed_media_domains=["a.org"]))

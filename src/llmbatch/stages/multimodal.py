@@ -42,6 +42,13 @@ PART_KEYS: dict[str, tuple[str, tuple[str, ...]]] = {
     "audio_url": ("audio_url", ()),
     "input_audio": ("input_audio", ()),
     "video_url": ("video_url", ()),
+    # passed to vLLM's parser as they are: assistant turns, and precomputed embeddings
+    "output_text": ("text", ()),
+    "refusal": ("refusal", ()),
+    "thinking": ("thinking", ()),
+    "image_embeds": ("image_embeds", ()),
+    "audio_embeds": ("audio_embeds", ()),
+    "video_embeds": ("video_embeds", ()),
 }
 IMAGE_PART_TYPES = ("image", "image_url", "input_image", "image_pil")
 #: Message keys OpenAI's chat format has (others are typos, and errors).
@@ -110,7 +117,7 @@ def prepare_messages(messages: Any, policy: MediaPolicy) -> tuple[list[dict[str,
                 digest.update(str(uuid).encode() if uuid is not None else _image_digest(image))
                 media += 1
                 parts.append({"type": "image_pil", "image_pil": image, **({"uuid": uuid} if uuid is not None else {})})
-            elif kind in ("audio_url", "video_url", "input_audio"):
+            elif kind in ("audio_url", "video_url", "input_audio", "image_embeds", "audio_embeds", "video_embeds"):
                 url = _url_of(value)
                 if isinstance(url, str) and url.startswith(("http://", "https://")):
                     policy.check_url(url)
