@@ -114,7 +114,7 @@ def prepare_messages(messages: Any, policy: MediaPolicy) -> tuple[list[dict[str,
                 except RowValidationError as exc:
                     raise RowValidationError(f"{where}: {exc}") from None
                 uuid = part.get("uuid")
-                digest.update(str(uuid).encode() if uuid is not None else _image_digest(image))
+                digest.update(str(uuid).encode() if uuid is not None else _image_key(_url_of(value), image))
                 media += 1
                 parts.append({"type": "image_pil", "image_pil": image, **({"uuid": uuid} if uuid is not None else {})})
             elif kind in ("audio_url", "video_url", "input_audio", "image_embeds", "audio_embeds", "video_embeds"):
@@ -130,10 +130,19 @@ def prepare_messages(messages: Any, policy: MediaPolicy) -> tuple[list[dict[str,
     return out, (digest.hexdigest() if media else None)
 
 
-def _image_digest(image) -> bytes:
+def _image_key(source: Any, image) -> bytes:
+    """What identifies an image within a run: its encoded bytes, or the URL or path that named
+    it (cheaper than its pixels), or the pixels of an image given decoded."""
     h = hashlib.blake2b(digest_size=16)
-    h.update(f"{image.mode}{image.size}".encode())
-    h.update(image.tobytes())
+    if isinstance(source, dict):
+        source = next((source[k] for k in ("bytes", "url", "path") if source.get(k) is not None), None)
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        h.update(b"b" + bytes(source))
+    elif isinstance(source, str):
+        h.update(b"s" + source.encode("utf-8", "surrogatepass"))
+    else:
+        h.update(f"p{image.mode}{image.size}".encode())
+        h.update(image.tobytes())
     return h.digest()
 
 
