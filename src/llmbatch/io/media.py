@@ -1,5 +1,5 @@
-"""Reading media named by row data: images (and audio) given as objects, bytes, data URLs,
-http(s) URLs or local paths, decoded once, with bounded memory.
+"""Reading media named by row data: images given as objects, bytes, data URLs, http(s) URLs
+or local paths, decoded once, with bounded memory; folders of image files as job inputs.
 
 - Every item is capped (``max_bytes``): a URL is read at most that far, a file larger than it
   is refused before it is read, a decoded image may hold at most that many pixel bytes.
@@ -174,40 +174,6 @@ def load_image(value: Any, policy: MediaPolicy | None = None):
     if pixels > policy.max_bytes:
         raise policy.too_big(pixels, f"the image ({image.width}x{image.height}, RGB)")
     return image if image.mode == "RGB" else image.convert("RGB")
-
-
-def load_audio(value: Any, policy: MediaPolicy | None = None, sampling_rate: float | None = None):
-    """``(samples, sampling_rate)`` from a ``(array, rate)`` pair, an array with
-    ``sampling_rate``, or encoded audio (bytes, data URL, URL, path) that soundfile/librosa
-    can read."""
-    import numpy as np
-
-    policy = policy or MediaPolicy()
-    if isinstance(value, (tuple, list)) and len(value) == 2 and not isinstance(value[0], (int, float)):
-        value, sampling_rate = value
-    if isinstance(value, dict) and ("array" in value or "data" in value) and not isinstance(value.get("data"), str):
-        sampling_rate = value.get("sampling_rate", sampling_rate)
-        value = value.get("array", value.get("data"))
-    if isinstance(value, np.ndarray) or (isinstance(value, list) and value and isinstance(value[0], (int, float))):
-        samples = np.asarray(value, dtype=np.float32)
-        if sampling_rate is None:
-            raise RowValidationError("an audio array needs its sampling rate: give (array, rate) or "
-                                     "{'array': ..., 'sampling_rate': ...}")
-        if samples.nbytes > policy.max_bytes:
-            raise policy.too_big(samples.nbytes, "the audio array")
-        return samples, float(sampling_rate)
-    data = media_bytes(value, policy, "audio")
-    try:
-        import soundfile
-
-        samples, rate = soundfile.read(io.BytesIO(data), dtype="float32", always_2d=False)
-    except ImportError as exc:
-        raise MissingDependencyError("encoded audio in messages", "soundfile") from exc
-    except Exception as exc:  # noqa: BLE001 - soundfile raises several types for undecodable data
-        raise RowValidationError(f"the audio is not decodable ({type(exc).__name__}: {exc})") from exc
-    if samples.ndim > 1:
-        samples = samples.mean(axis=1)
-    return samples, float(rate)
 
 
 #: File suffixes a folder of images is read for.
