@@ -9,18 +9,19 @@ before any work.
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Callable
 from typing import Any
 
 from llmbatch.config import (
     HttpRequestProcessorConfig,
+    OfflineProcessorConfig,
     ProcessorConfig,
     SGLangEngineProcessorConfig,
     vLLMEngineProcessorConfig,
 )
+from llmbatch.engines.sglang import SGLangEngine, check_sglang_build
 from llmbatch.engines.vllm import VLLMEngine
-from llmbatch.errors import ConfigError, MissingDependencyError
+from llmbatch.errors import ConfigError
 from llmbatch.processor import Layout, Processor, StageSpec
 from llmbatch.stages.base import Stage
 from llmbatch.stages.chat_template import ChatTemplateStage
@@ -49,10 +50,7 @@ def register(config_type: type) -> Callable[[Builder], Builder]:
 def builder_for(config: ProcessorConfig) -> Builder:
     """The builder for ``config``; a config no builder can run fails here, before any work."""
     if isinstance(config, SGLangEngineProcessorConfig):
-        if importlib.util.find_spec("sglang") is None:
-            raise MissingDependencyError("SGLangEngineProcessorConfig", "llmbatch[sglang]")
-        raise ConfigError("the SGLang engine is not supported by this llmbatch version yet; "
-                          "use vLLMEngineProcessorConfig")
+        check_sglang_build()
     if isinstance(config, HttpRequestProcessorConfig) and HttpRequestProcessorConfig not in _REGISTRY:
         raise ConfigError("HttpRequestProcessorConfig is not supported by this llmbatch version yet")
     for cls in type(config).__mro__:
@@ -79,13 +77,43 @@ build_llm_processor = build_processor
 
 
 @register(vLLMEngineProcessorConfig)
-def build_vllm_processor(config: vLLMEngineProcessorConfig, *, preprocess: UserFn | None = None,
-                         postprocess: UserFn | None = None, preprocess_map_kwargs: dict[str, Any] | None = None,
-                         postprocess_map_kwargs: dict[str, Any] | None = None,
-                         chat_template_kwargs: dict[str, Any] | None = None,
-                         keep_private: tuple[str, ...] = (), encoded_output: bool = False) -> Processor:
+def build_vllm_processor(config: vLLMEngineProcessorConfig, **kwargs: Any) -> Processor:
     """The vLLM processor: [preprocess] -> [multimodal] -> chat template -> tokenize -> vLLM ->
     detokenize -> [postprocess]."""
+    engine_kwargs = dict(config.engine_kwargs)
+    remote_fn = None
+    if config.placement_group_config:
+        remote_fn = _placement_group_fn(config)
+        # the replica's workers live in its placement group: vLLM places them through Ray
+        engine_kwargs.setdefault("distributed_executor_backend", "ray")
+    lo, hi = config.concurrency_range()
+    engine = VLLMEngine(config.model_source, engine_kwargs, config.task_type, config.dynamic_lora_loading_path,
+                        replicas_per_node=hi,
+                        detokenize_after=config.detokenize_stage.enabled and config.task_type == "generate",
+                        log_metrics=config.log_engine_metrics)
+    return _engine_processor(config, engine, max_model_len=config.engine_kwargs.get("max_model_len"),
+                             remote_fn=remote_fn, **kwargs)
+
+
+@register(SGLangEngineProcessorConfig)
+def build_sglang_processor(config: SGLangEngineProcessorConfig, **kwargs: Any) -> Processor:
+    """The SGLang processor (GPU only): [preprocess] -> chat template -> tokenize -> SGLang ->
+    [detokenize, where the engine left text out] -> [postprocess]."""
+    if config.prepare_multimodal_stage.enabled:
+        raise ConfigError("SGLangEngineProcessorConfig: prepare_multimodal_stage is not supported with SGLang by "
+                          "this llmbatch version; use vLLMEngineProcessorConfig for images, video and audio")
+    engine = SGLangEngine(config.model_source, config.engine_kwargs, config.task_type)
+    return _engine_processor(config, engine, max_model_len=config.engine_kwargs.get("context_length"),
+                             needs_gpu=True, **kwargs)
+
+
+def _engine_processor(config: OfflineProcessorConfig, engine: Any, *, max_model_len: Any, remote_fn=None,
+                      needs_gpu: bool = False, preprocess: UserFn | None = None, postprocess: UserFn | None = None,
+                      preprocess_map_kwargs: dict[str, Any] | None = None,
+                      postprocess_map_kwargs: dict[str, Any] | None = None,
+                      chat_template_kwargs: dict[str, Any] | None = None,
+                      keep_private: tuple[str, ...] = (), encoded_output: bool = False) -> Processor:
+    """An engine's processor: the CPU stages around ``engine``, laid out for the config."""
     trust = bool(config.engine_kwargs.get("trust_remote_code", False))
     generate = config.task_type == "generate"
     pre: list[StageSpec] = []
@@ -103,21 +131,12 @@ def build_vllm_processor(config: vLLMEngineProcessorConfig, *, preprocess: UserF
                                                trust), ct))
     tk = config.tokenize_stage
     if tk.enabled:
-        max_len = config.engine_kwargs.get("max_model_len")
         pre.append(StageSpec(TokenizeStage(tk.model_source or config.model_source,
-                                           int(max_len) if max_len is not None else None, trust,
+                                           int(max_model_len) if max_model_len is not None else None, trust,
                                            task=config.task_type), tk))
-    engine_kwargs = dict(config.engine_kwargs)
-    remote_fn = None
-    if config.placement_group_config:
-        remote_fn = _placement_group_fn(config)
-        # the replica's workers live in its placement group: vLLM places them through Ray
-        engine_kwargs.setdefault("distributed_executor_backend", "ray")
     lo, hi = config.concurrency_range()
     engine = EngineStage(
-        VLLMEngine(config.model_source, engine_kwargs, config.task_type, config.dynamic_lora_loading_path,
-                   replicas_per_node=hi, detokenize_after=config.detokenize_stage.enabled and generate,
-                   log_metrics=config.log_engine_metrics),
+        engine,
         max_pending_requests=config.max_pending_requests,
         dedup=config.dedup_requests,
         sort_by_prefix=config.sort_by_prefix,
@@ -138,7 +157,8 @@ def build_vllm_processor(config: vLLMEngineProcessorConfig, *, preprocess: UserF
         devices_per_replica=config.devices_per_replica(), accelerator_type=config.accelerator_type,
         runtime_env=config.runtime_env, max_concurrent_batches=config.resolved_max_concurrent_batches(),
         max_tasks_in_flight=config.max_tasks_in_flight_per_actor, engine_remote_args_fn=remote_fn,
-        stall_timeout_s=config.stall_timeout_s, keep_private=keep_private, encoded_output=encoded_output)
+        stall_timeout_s=config.stall_timeout_s, keep_private=keep_private, encoded_output=encoded_output,
+        needs_gpu=needs_gpu)
     return Processor(config, layout)
 
 

@@ -237,6 +237,9 @@ class OfflineProcessorConfig(ProcessorConfig):
     tokenize_stage: Any = Field(True, description="Tokenize stage: bool, dict or TokenizerStageConfig.")
     detokenize_stage: Any = Field(True, description="Detokenize stage: bool, dict or DetokenizeStageConfig.")
     prepare_multimodal_stage: Any = Field(False, description="Multimodal preparation stage: bool, dict or PrepareMultimodalStageConfig.")
+    dedup_requests: bool = Field(True, json_schema_extra=NUMERICS, description="llmbatch: send identical requests (same prompt, same deterministic sampling params) to the engine once and copy the answer to every such row.")
+    sort_by_prefix: bool = Field(True, json_schema_extra=NUMERICS, description="llmbatch: order each batch by prompt so that rows sharing a prompt prefix run together (prefix-cache hits).")
+    structured_output_errors: Optional[Literal["error", "warn", "off"]] = Field(None, description="llmbatch: check answers against their structured_outputs spec (JSON schema, regex, choice; and generation cut by max_tokens). 'error': such a row is an error row (check_output: StructuredOutputError); 'warn': keep the text and say why in the column structured_output_error; 'off': no check. Default: 'error' with should_continue_on_error (jobs), else 'warn' (a run is never stopped by it).")
 
     @model_validator(mode="before")
     @classmethod
@@ -287,6 +290,11 @@ class OfflineProcessorConfig(ProcessorConfig):
     def _check_model_source(cls, value: str) -> str:
         return check_model_source(value)
 
+    def resolved_structured_output_errors(self) -> str:
+        if self.structured_output_errors is not None:
+            return self.structured_output_errors
+        return "error" if self.should_continue_on_error else "warn"
+
     def resolved_max_concurrent_batches(self) -> int:
         if self.max_concurrent_batches is not None:
             return self.max_concurrent_batches
@@ -301,15 +309,6 @@ class vLLMEngineProcessorConfig(OfflineProcessorConfig):
     log_engine_metrics: bool = Field(False, json_schema_extra=PLACEMENT, description="Export vLLM engine metrics through Ray's Prometheus endpoint (needs Ray's metrics export port).")
     dynamic_lora_loading_path: Optional[str] = Field(None, description="Folder (local, s3:// or gs://) holding one subfolder per LoRA adapter; rows pick one with 'model'.")
     placement_group_config: Optional[dict[str, Any]] = Field(None, json_schema_extra=PLACEMENT, description="Ray placement group for each replica's workers: {'bundles': [...], 'strategy': 'PACK'} or {'bundle_per_worker': {...}}.")
-    dedup_requests: bool = Field(True, json_schema_extra=NUMERICS, description="llmbatch: send identical requests (same prompt, same deterministic sampling params) to the engine once and copy the answer to every such row.")
-    sort_by_prefix: bool = Field(True, json_schema_extra=NUMERICS, description="llmbatch: order each batch by prompt so that rows sharing a prompt prefix run together (prefix-cache hits).")
-    structured_output_errors: Optional[Literal["error", "warn", "off"]] = Field(None, description="llmbatch: check answers against their structured_outputs spec (JSON schema, regex, choice; and generation cut by max_tokens). 'error': such a row is an error row (check_output: StructuredOutputError); 'warn': keep the text and say why in the column structured_output_error; 'off': no check. Default: 'error' with should_continue_on_error (jobs), else 'warn' (a run is never stopped by it).")
-
-    def resolved_structured_output_errors(self) -> str:
-        if self.structured_output_errors is not None:
-            return self.structured_output_errors
-        return "error" if self.should_continue_on_error else "warn"
-
     @model_validator(mode="before")
     @classmethod
     def _engine_task_type(cls, data: Any) -> Any:
@@ -347,8 +346,22 @@ class vLLMEngineProcessorConfig(OfflineProcessorConfig):
 class SGLangEngineProcessorConfig(OfflineProcessorConfig):
     """A processor that runs SGLang in each replica (needs the ``sglang`` package)."""
 
-    engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="Passed to sglang.Engine as is.")
+    engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="Passed to sglang.Engine as is (its ServerArgs: e.g. context_length, mem_fraction_static, max_running_requests, tp_size, dp_size). llmbatch sets model_path from model_source, and keeps SGLang's tokenizer on (skip_tokenizer_init=False: constrained decoding needs it) unless you set it.")
     task_type: Literal["generate"] = Field("generate", description="Only 'generate' is supported with SGLang.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _engine_model(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("engine_kwargs"), dict):
+            for key in ("model", "model_path"):
+                if key in data["engine_kwargs"]:
+                    raise ConfigError(f"engine_kwargs.{key} is not used: put the model in 'model_source'.")
+        return data
+
+    def devices_per_replica(self) -> int:
+        """GPUs one replica needs: tp_size x pp_size x dp_size (SGLang's names)."""
+        kw = self.engine_kwargs
+        return int(kw.get("tp_size", 1)) * int(kw.get("pp_size", 1)) * int(kw.get("dp_size", 1))
 
 
 class HttpRequestProcessorConfig(ProcessorConfig):

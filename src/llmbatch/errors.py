@@ -32,8 +32,8 @@ class ModelNotFoundError(ConfigError):
 class MissingDependencyError(LLMBatchError, ImportError):
     """An optional dependency is needed for what was asked; the message has the pip command."""
 
-    def __init__(self, what: str, pip_name: str):
-        super().__init__(f"{what} needs the package '{pip_name}': pip install {pip_name}")
+    def __init__(self, what: str, pip_name: str, command: str | None = None):
+        super().__init__(f"{what} needs the package '{pip_name}': {command or 'pip install ' + pip_name}")
 
 
 class ResourceError(LLMBatchError):

@@ -23,7 +23,7 @@ from llmbatch.config import (
     ProcessorConfig,
     StageConfig,
 )
-from llmbatch.errors import ConfigError
+from llmbatch.errors import ConfigError, ResourceError
 from llmbatch.rows import PRIVATE_PREFIX, ROW_ID
 from llmbatch.stages.base import Stage
 from llmbatch.stages.runner import StageRunner
@@ -84,6 +84,7 @@ class Layout:
     stall_timeout_s: float | None = None
     keep_private: tuple[str, ...] = ()
     encoded_output: bool = False
+    needs_gpu: bool = False  # an engine with no CPU build (SGLang)
 
 
 @dataclass
@@ -209,6 +210,9 @@ class Processor:
         cluster = ray.cluster_resources()
         if lay.accelerator_type:
             check_accelerator(lay.accelerator_type, cluster)
+        if lay.needs_gpu and not cluster.get("GPU"):
+            raise ResourceError(f"{type(self.config).__name__} needs a GPU and this Ray cluster has none; "
+                                "run it on a GPU machine or cluster, or use vLLMEngineProcessorConfig here")
         _check_input_columns(dataset)
         ds = ray.data.Dataset.copy(dataset, _deep_copy=True)
         ctx = ds.context  # this dataset's own copy: nothing global changes
