@@ -296,3 +296,14 @@ def test_a_killed_engine_process_is_restarted_and_no_row_is_lost(fake_engine):
     assert sorted(r["prompt"] for r in out) == sorted(f"p{i}" for i in range(12))
     assert len(fake_engine) == 2 and stage._generation == 1
     assert fake_engine[1].proc.wait(timeout=5) is not None
+
+
+def test_choice_regex_is_exact_in_xgrammar_sglangs_grammar_backend():
+    xgr = pytest.importorskip("xgrammar")
+    from llmbatch.sample_data import INDUSTRIES
+
+    for choices in (INDUSTRIES, ["C++ (x)", "a.b|c", "x*y?", "50% off", "a/b", 'say "hi"', "back\\slash", "[b]{x}", "^$"]):
+        grammar = xgr.Grammar.from_regex(choice_regex(choices))
+        for c in choices:
+            assert xgr.testing._is_grammar_accept_string(grammar, c), c
+            assert not xgr.testing._is_grammar_accept_string(grammar, c + "x"), c
