@@ -98,6 +98,9 @@ def run_llmbatch(rows, args, writer, engine: str) -> dict:
     errors = []
     for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
         cols = batch.to_pydict()
+        none = [None] * batch.num_rows
+        for key in (STATS, "__inference_error__", "time_taken_llm", "num_generated_tokens", "generated_text"):
+            cols.setdefault(key, none)
         for i in range(batch.num_rows):
             if cols["__inference_error__"][i]:
                 errors.append(cols["__inference_error__"][i])
