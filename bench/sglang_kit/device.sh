@@ -36,8 +36,14 @@ install)
   PYTHONPATH=$SG:$REPO/src python3 -c "
 import torch, sglang, sgl_kernel, xgrammar, transformers, ray, llmbatch
 from sgl_kernel import flash_ops
+import importlib
+for m in ('sglang.srt.entrypoints.engine', 'sglang.srt.managers.scheduler', 'sglang.srt.managers.detokenizer_manager',
+          'sglang.srt.model_executor.model_runner', 'sglang.srt.models.llama', 'sglang.srt.models.qwen2',
+          'sglang.srt.layers.attention.flashattention_backend', 'sglang.srt.layers.attention.triton_backend',
+          'sglang.srt.constrained.xgrammar_backend', 'sglang.srt.layers.sampler'):
+    importlib.import_module(m)
 print('sglang', sglang.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__, 'ray', ray.__version__, torch.cuda.get_device_name(0))
-from llmbatch.engines.sglang import check_sglang_build; check_sglang_build(); print('llmbatch build check ok')" 2>&1 | tail -5 | tee "$OUT/import-sglang.txt"
+from llmbatch.engines.sglang import check_sglang_build; check_sglang_build(); print('llmbatch build check ok')" 2>&1 | tail -15 | tee "$OUT/import-sglang.txt"
   if [ -d /tmp/site-vllm ]; then
     PYTHONPATH=/tmp/site-vllm:/tmp/site-base:$REPO/src python3 -c "import vllm, ray, llmbatch; print('vllm', vllm.__version__)" 2>&1 | tail -2 | tee "$OUT/import-vllm.txt"
   fi

@@ -25,8 +25,17 @@ for t in manylinux1_x86_64 manylinux2010_x86_64 manylinux2014_x86_64 manylinux_2
          manylinux_2_24_x86_64 manylinux_2_26_x86_64 manylinux_2_27_x86_64 manylinux_2_28_x86_64 \
          manylinux_2_31_x86_64 manylinux_2_34_x86_64 manylinux_2_35_x86_64; do PLAT="$PLAT --platform $t"; done
 
-fetch() {  # fetch LIST DIR: every pinned wheel of LIST into DIR (cp312, manylinux x86_64)
+fetch() {  # fetch LIST DIR: every pinned wheel of LIST into DIR (cp312, manylinux x86_64), nothing else
   mkdir -p "$2"
+  "$PY" - "$1" "$2" <<'PRUNE'
+import os, re, sys
+norm = lambda s: re.sub(r"[-_.]+", "-", s).lower()
+want = {norm(l.split("==")[0]) + "==" + l.split("==")[1].strip() for l in open(sys.argv[1]) if "==" in l}
+for f in os.listdir(sys.argv[2]):
+    name, version = f.split("-")[:2]
+    if f.endswith(".whl") and norm(name) + "==" + version not in want:
+        os.remove(os.path.join(sys.argv[2], f))
+PRUNE
   "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
       $PLAT -d "$2" -r "$1" 2>&1 | grep -v "^WARNING: Location" || true
   local want have
@@ -34,7 +43,7 @@ fetch() {  # fetch LIST DIR: every pinned wheel of LIST into DIR (cp312, manylin
   [ "$want" = "$have" ] || { echo "$2: got $have wheels, want $want (stale files? empty it)"; exit 1; }
 }
 
-rm -rf "$KIT/stage" "$KIT/parts" "$KIT/kit.tar"
+rm -rf "$KIT/stage/models" "$KIT/parts" "$KIT/kit.tar"  # wheels already there are kept (pruned to the lists)
 mkdir -p "$KIT/stage"
 fetch "$HERE/wheels-sglang.txt" "$KIT/stage/sg"
 fetch "$HERE/wheels-base.txt" "$KIT/stage/base"

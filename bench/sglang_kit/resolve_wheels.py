@@ -76,7 +76,9 @@ def main() -> None:
     parents: dict[str, set[str]] = {}
     chosen: dict[str, tuple[Version, str]] = {}
     image_hits: dict[str, set[str]] = {}
-    roots = [Requirement(r) for r in (sys.argv[3:] or ["sglang==0.5.17"])]
+    # dill: sglang.srt.sampling.custom_logit_processor imports it at module level (on every
+    # Engine's import path), but SGLang only gets it through datasets, which is not carried
+    roots = [Requirement(r) for r in (sys.argv[3:] or ["sglang==0.5.17", "dill"])]
     todo = [(r.name, r.specifier, set(r.extras), "<root>") for r in roots]
     while todo:
         req_name, spec, ex, parent = todo.pop(0)
