@@ -33,7 +33,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 #: The GPU image's packages (KINDS.md, "Python packages already there", read 2026-11-17).
 IMAGE = {canonicalize_name(n) for n in open(os.path.join(HERE, "image-packages.txt")).read().split()}
 #: Image packages whose version SGLang pins to another one: carried anyway (SGLang's kit only).
-PINS = {"transformers": "==5.12.1"}
+#: transformers 5.12.1 checks at import that tokenizers <= 0.23.0 and huggingface-hub < 2.0 (the
+#: image's transformers 5.17 may come with newer ones): those are carried too, at the newest allowed.
+PINS = {"transformers": "==5.12.1", "tokenizers": ">=0.22.0,<0.23", "huggingface-hub": ">=1.5.0,<2.0"}
 #: Not carried, with the reason (see README.md); the walk does not descend into them.
 SKIP = {canonicalize_name(n) for n in open(os.path.join(HERE, "skip.txt")).read().split()
         if n and not n.startswith("#")} if os.path.exists(os.path.join(HERE, "skip.txt")) else set()
