@@ -205,6 +205,8 @@ class FakeSGLang:
     def __init__(self, delay=0.05):
         FakeSGLang.started += 1
         self.proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+        # a helper that exits on its own (as a resource tracker or compile worker may): not the engine
+        self.helper = subprocess.Popen([sys.executable, "-c", "pass"])
         self.delay = delay
         self.tokenizer_manager = SimpleNamespace(context_len=512, asyncio_tasks=set(), abort_request=lambda rid: None)
         self.server_args = SimpleNamespace(max_running_requests=8)
@@ -265,6 +267,7 @@ def test_rows_run_and_the_engine_closes_its_processes(fake_engine):
     assert {r["generated_text"] for r in good} == {"okok"} and all(r["num_input_tokens"] == 3 for r in good)
     assert fake_engine[0].seen[0] == {"max_new_tokens": 2, "temperature": 0}
     assert engine.capacity == 8 and engine.context_len == 512
+    assert fake_engine[0].helper.poll() is not None and len(fake_engine) == 1  # its exit was no restart
     assert fake_engine[0].proc.wait(timeout=5) is not None  # killed and reaped
     assert not any(os.path.exists(f"/proc/{pid}") and open(f"/proc/{pid}/stat").read().split()[2] != "Z"
                    for pid in pids)

@@ -132,7 +132,10 @@ class SGLangEngine:
         self.context_len: int | None = None
         self.tokenizer_in_engine = not bool(self.engine_kwargs.get("skip_tokenizer_init", False))
         self.log: EngineLog | None = None
+        #: the engine's own processes (schedulers, detokenizer): watched for life
         self.pids: list[int] = []
+        #: every process this engine started directly: killed (with their children) on close
+        self._started: list[int] = []
         self._ids = itertools.count()
         self._dead: asyncio.Future | None = None
         self._monitor: asyncio.Task | None = None
@@ -149,11 +152,11 @@ class SGLangEngine:
         self._monitor = asyncio.ensure_future(self._watch())
 
     def _start(self) -> None:
-        before = set(_children())
+        before = set(_children(recursive=False))
         try:
             engine = self._launch()
         except Exception:
-            _kill(sorted(set(_children()) - before))  # a half-started engine's processes
+            _kill(sorted(set(_children(recursive=False)) - before))  # a half-started engine's processes
             raise
         atexit.unregister(engine.shutdown)  # its shutdown kills every child of this process
         manager = engine.tokenizer_manager
@@ -161,7 +164,8 @@ class SGLangEngine:
         if watchdog is not None:
             watchdog.stop()  # it would SIGQUIT this replica when a child dies; _watch restarts instead
         self.engine = engine
-        self.pids = sorted(set(engine.get_all_child_pids()) | (set(_children()) - before))
+        self.pids = sorted(engine.get_all_child_pids())
+        self._started = sorted(set(self.pids) | (set(_children(recursive=False)) - before))
         self.context_len = int(getattr(manager, "context_len", 0) or 0) or None
         self.capacity = int(getattr(engine.server_args, "max_running_requests", None) or DEFAULT_CAPACITY)
 
@@ -213,8 +217,8 @@ class SGLangEngine:
                 engine.send_to_rpc.close(linger=0)
         except Exception:  # noqa: BLE001 - a dead engine's socket may already be gone
             logger.debug("closing the SGLang rpc socket failed", exc_info=True)
-        await asyncio.get_running_loop().run_in_executor(None, _kill, self.pids)
-        self.pids = []
+        await asyncio.get_running_loop().run_in_executor(None, _kill, self._started)
+        self.pids, self._started = [], []
 
     def is_fatal(self, exc: BaseException) -> bool:
         return isinstance(exc, SGLangEngineDead) or (self._dead is not None and self._dead.done())
@@ -284,11 +288,11 @@ class SGLangEngine:
             logger.debug("abort of %s failed", rid, exc_info=True)
 
 
-def _children() -> list[int]:
+def _children(recursive: bool) -> list[int]:
     import psutil
 
     try:
-        return [p.pid for p in psutil.Process().children(recursive=True)]
+        return [p.pid for p in psutil.Process().children(recursive=recursive)]
     except psutil.Error:
         return []
 
@@ -301,7 +305,8 @@ def _alive(pid: int, psutil: Any) -> bool:
 
 
 def _kill(pids: list[int], timeout: float = SHUTDOWN_TIMEOUT_S) -> None:
-    """Terminate ``pids`` and their descendants, then kill what is left after ``timeout``."""
+    """Terminate ``pids`` and their descendants (found now: a scheduler's compile workers), then
+    kill what is left after ``timeout``."""
     import psutil
 
     procs = []
