@@ -25,8 +25,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-SGLANG_KWARGS = {"load_format": "dummy", "context_length": 2048, "mem_fraction_static": 0.8,
-                 "sampling_backend": "pytorch"}
+#: Over the job file's own engine_kwargs ({max_model_len: 512}, vLLM's name, which llmbatch maps
+#: to SGLang's context_length): vLLM's names again where they exist, SGLang's where not.
+SGLANG_KWARGS = {"load_format": "dummy", "gpu_memory_utilization": 0.8, "sampling_backend": "pytorch"}
 
 
 def sglang_processes() -> list[tuple[int, str]]:

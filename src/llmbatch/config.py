@@ -20,6 +20,7 @@ from pydantic import (
     model_validator,
 )
 
+from llmbatch.engines.sglang_params import engine_kwargs as sglang_engine_kwargs
 from llmbatch.errors import ConfigError, did_you_mean
 from llmbatch.models import check_model_source
 
@@ -346,16 +347,17 @@ class vLLMEngineProcessorConfig(OfflineProcessorConfig):
 class SGLangEngineProcessorConfig(OfflineProcessorConfig):
     """A processor that runs SGLang in each replica (needs the ``sglang`` package)."""
 
-    engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="Passed to sglang.Engine as is (its ServerArgs: e.g. context_length, mem_fraction_static, max_running_requests, tp_size, dp_size). llmbatch sets model_path from model_source, and keeps SGLang's tokenizer on (skip_tokenizer_init=False: constrained decoding needs it) unless you set it.")
+    engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="Passed to sglang.Engine (its ServerArgs: e.g. context_length, mem_fraction_static, max_running_requests, tp_size, dp_size). vLLM's names of the same settings are mapped (max_model_len, gpu_memory_utilization, max_num_seqs, tensor_parallel_size, pipeline_parallel_size, data_parallel_size, seed, enforce_eager, enable_prefix_caching), so a vLLM config runs by changing its class; a vLLM-only setting is an error. llmbatch sets model_path from model_source, and keeps SGLang's tokenizer on (skip_tokenizer_init=False: constrained decoding needs it) unless you set it.")
     task_type: Literal["generate"] = Field("generate", description="Only 'generate' is supported with SGLang.")
 
     @model_validator(mode="before")
     @classmethod
-    def _engine_model(cls, data: Any) -> Any:
+    def _sglang_engine_kwargs(cls, data: Any) -> Any:
         if isinstance(data, dict) and isinstance(data.get("engine_kwargs"), dict):
             for key in ("model", "model_path"):
                 if key in data["engine_kwargs"]:
                     raise ConfigError(f"engine_kwargs.{key} is not used: put the model in 'model_source'.")
+            data = {**data, "engine_kwargs": sglang_engine_kwargs(data["engine_kwargs"])}
         return data
 
     def devices_per_replica(self) -> int:

@@ -310,3 +310,19 @@ def test_choice_regex_is_exact_in_xgrammar_sglangs_grammar_backend():
         for c in choices:
             assert xgr.testing._is_grammar_accept_string(grammar, c), c
             assert not xgr.testing._is_grammar_accept_string(grammar, c + "x"), c
+
+
+def test_vllm_engine_kwargs_map_to_sglangs_so_a_config_switches_by_class():
+    config = SGLangEngineProcessorConfig(model_source="org/model-x", engine_kwargs={
+        "max_model_len": 512, "gpu_memory_utilization": 0.8, "tensor_parallel_size": 2, "max_num_seqs": 64,
+        "enable_prefix_caching": True, "enforce_eager": False, "disable_log_stats": True, "load_format": "dummy",
+        "sampling_backend": "pytorch"})
+    assert config.engine_kwargs == {"context_length": 512, "mem_fraction_static": 0.8, "tp_size": 2,
+                                    "max_running_requests": 64, "disable_radix_cache": False,
+                                    "disable_cuda_graph": False, "load_format": "dummy", "sampling_backend": "pytorch"}
+    assert config.devices_per_replica() == 2
+    with pytest.raises(Exception, match="enable_chunked_prefill is a vLLM setting"):
+        SGLangEngineProcessorConfig(model_source="org/model-x", engine_kwargs={"enable_chunked_prefill": True})
+    with pytest.raises(Exception, match="'context_length' twice, as 'max_model_len' and as 'context_length'"):
+        SGLangEngineProcessorConfig(model_source="org/model-x", engine_kwargs={"max_model_len": 512,
+                                                                                "context_length": 1024})

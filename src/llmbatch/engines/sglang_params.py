@@ -184,3 +184,46 @@ def output_columns(out: dict[str, Any], prompt_ids: list[int] | None) -> dict[st
         "finish_reason": finish_reason(meta),
         "num_cached_tokens": int(meta.get("cached_tokens") or 0),
     }
+
+
+#: vLLM engine arguments and their SGLang names (``ServerArgs``), so that a config written for
+#: vLLM runs on SGLang by changing its class.
+ENGINE_RENAMED = {"max_model_len": "context_length", "gpu_memory_utilization": "mem_fraction_static",
+                  "max_num_seqs": "max_running_requests", "tensor_parallel_size": "tp_size",
+                  "pipeline_parallel_size": "pp_size", "data_parallel_size": "dp_size", "seed": "random_seed",
+                  "enforce_eager": "disable_cuda_graph"}
+#: vLLM settings that only steer vLLM's logging: nothing to do on SGLang.
+ENGINE_DROPPED = ("disable_log_stats", "enable_log_requests")
+#: vLLM settings with no SGLang equivalent that llmbatch maps.
+ENGINE_VLLM_ONLY = ("enable_chunked_prefill", "swap_space", "distributed_executor_backend", "compilation_config",
+                    "kv_cache_memory_bytes", "block_size", "cpu_offload_gb", "max_num_batched_tokens", "enable_lora",
+                    "max_lora_rank", "max_loras", "max_cpu_loras", "runner", "convert", "max_logprobs",
+                    "limit_mm_per_prompt", "mm_processor_kwargs", "allowed_local_media_path", "allowed_media_domains")
+
+
+def engine_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``engine_kwargs`` in SGLang's names: vLLM's names mapped (``max_model_len`` ->
+    ``context_length``, ``gpu_memory_utilization`` -> ``mem_fraction_static``, ``tensor_parallel_size``
+    -> ``tp_size``...; ``enable_prefix_caching=False`` -> ``disable_radix_cache=True``), SGLang's
+    own kept; raises ValueError for a vLLM-only setting or one given under both names."""
+    out: dict[str, Any] = {}
+    given_as: dict[str, str] = {}
+
+    def put(name: str, value: Any, given: str) -> None:
+        if name in out and out[name] != value:
+            raise ValueError(f"engine_kwargs sets SGLang's '{name}' twice, as '{given_as[name]}' and as '{given}', "
+                             "with different values; keep one")
+        out[name] = value
+        given_as[name] = given
+
+    for key, value in kwargs.items():
+        if key in ENGINE_DROPPED:
+            continue
+        if key in ENGINE_VLLM_ONLY:
+            raise ValueError(f"engine_kwargs.{key} is a vLLM setting that the SGLang engine has no equivalent for; "
+                             "remove it (engine_kwargs go to sglang.Engine: its ServerArgs names)")
+        if key == "enable_prefix_caching":
+            put("disable_radix_cache", not value, key)
+        else:
+            put(ENGINE_RENAMED.get(key, key), value, key)
+    return out
