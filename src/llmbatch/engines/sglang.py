@@ -74,7 +74,9 @@ def import_sglang():
 
 
 def has_gpu() -> bool:
-    """Whether this machine has a CUDA GPU that torch sees."""
+    """Whether this machine has a CUDA GPU that torch sees (asked through NVML where torch can,
+    so this process starts no CUDA runtime of its own)."""
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     try:
         import torch
 
