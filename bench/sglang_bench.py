@@ -84,7 +84,8 @@ def run_llmbatch(rows, args, writer, engine: str) -> dict:
     from llmbatch import SGLangEngineProcessorConfig, build_processor, vLLMEngineProcessorConfig
     from llmbatch.rows import STATS
 
-    ray.init(include_dashboard=False, logging_level="WARNING")
+    # BENCH_RAY_INIT (JSON): extra ray.init arguments, e.g. {"num_gpus": 1} to try this script on a CPU
+    ray.init(include_dashboard=False, logging_level="WARNING", **json.loads(os.environ.get("BENCH_RAY_INIT", "{}")))
     ray.data.DataContext.get_current().enable_progress_bars = False
     if engine == "sglang":
         config = SGLangEngineProcessorConfig(model_source=args.model, engine_kwargs=engine_kwargs(args, "sglang"),

@@ -55,8 +55,8 @@ checks)
       > "$OUT/flow.log" 2>&1; echo "exit $?"; tail -c 2500 "$OUT/flow.log"
   gpu_state | tee "$OUT/after-flow.txt"
   echo "== (b) SGLang scheduler killed mid-run"
-  timeout 290 python3 bench/sglang_kit/industry_check.py --model "$MODEL" --rows "${ROWS_B:-6000}" --out "$OUT/kill" \
-      --kill-after-rows "${KILL_AFTER:-1000}" > "$OUT/kill.log" 2>&1; echo "exit $?"; tail -c 2500 "$OUT/kill.log"
+  timeout 290 python3 bench/sglang_kit/industry_check.py --model "$MODEL" --rows "${ROWS_B:-20000}" --out "$OUT/kill" \
+      --kill-after-rows "${KILL_AFTER:-3000}" --no-dedup > "$OUT/kill.log" 2>&1; echo "exit $?"; tail -c 2500 "$OUT/kill.log"
   gpu_state | tee "$OUT/after-kill.txt"
   cp /tmp/ray/session_latest/logs/llmbatch-engine-*.log "$OUT/" 2>/dev/null || true
   ;;

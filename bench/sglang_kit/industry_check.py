@@ -2,7 +2,7 @@
 """The seeds' industry flow (examples/industry.yaml) as a job on SGLang, on the GPU machine.
 
     python bench/sglang_kit/industry_check.py --model MODEL_DIR --rows 3000 --out $OUT/flow
-    python bench/sglang_kit/industry_check.py --model MODEL_DIR --rows 6000 --out $OUT/kill --kill-after-rows 500
+    python bench/sglang_kit/industry_check.py --model MODEL_DIR --rows 20000 --out $OUT/kill --kill-after-rows 3000 --no-dedup
 
 Checks, and writes ``check.json`` with the figures: every input row is in the output exactly
 once, no error row, every answer is one of the job's choices (SGLang's constrained decoding;
@@ -59,7 +59,7 @@ def killer(job_dir: Path, after_rows: int, log: list) -> None:
 
     seen_up = None
     while True:
-        time.sleep(0.5)
+        time.sleep(0.2)
         procs = [p for p in sglang_processes() if "scheduler" in p[1]]
         if procs and seen_up is None:
             seen_up = time.time()
@@ -81,6 +81,7 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--kill-after-rows", type=int, default=None)
     p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--no-dedup", action="store_true", help="send every row to the engine (the kill run: real work in flight)")
     p.add_argument("--sglang-kwargs", default=os.environ.get("SGLANG_KWARGS_JSON", "{}"),
                    help="JSON over the SGLang settings (null drops one), e.g. '{\"attention_backend\": \"triton\"}'")
     args = p.parse_args()
@@ -94,7 +95,7 @@ def main() -> None:
         "input": {"path": str(csv)},
         "model": {"source": args.model, "processor": "sglang", "engine_kwargs": {
             k: v for k, v in {**SGLANG_KWARGS, **json.loads(args.sglang_kwargs)}.items() if v is not None},
-                  "batch_size": args.batch_size},
+                  "batch_size": args.batch_size, "dedup_requests": not args.no_dedup},
         "output": {"path": str(out / "industries.parquet")},
         "commit_rows": 200, "commit_seconds": 2.0,
     })
