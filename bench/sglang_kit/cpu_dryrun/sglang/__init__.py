@@ -25,8 +25,10 @@ class Engine:
                                                        abort_request=lambda rid: None, _subprocess_watchdog=None)
         self.server_args = types.SimpleNamespace(max_running_requests=kw.get("max_running_requests"))
 
-    def shutdown(self):
-        pass
+    def shutdown(self):  # as SGLang's: the engine's processes go
+        for proc in (self.sched, self.detok):
+            proc.kill()
+            proc.wait()
 
     def get_all_child_pids(self):
         return [self.sched.pid, self.detok.pid]
