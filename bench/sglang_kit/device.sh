@@ -28,7 +28,7 @@ install)
   for d in sg base vllm; do
     [ -d "$d" ] || continue
     t0=$(date +%s)
-    python3 -m pip install -q --no-index --no-deps --no-compile --target "/tmp/site-$d" "$d"/*.whl 2>&1 | grep -v "^WARNING: Target directory" | tail -3
+    python3 -m pip install -q --no-index --no-deps --no-compile --target "/tmp/site-$d" "$d"/*.whl 2>&1 | grep -v -e "^WARNING: Target directory" -e "Running pip as the 'root' user" | tail -3
     echo "installed $d ($(ls "$d"/*.whl | wc -l) wheels) in $(( $(date +%s) - t0 )) s"
   done
   cd "$REPO"
