@@ -14,7 +14,7 @@ LAYERS = [
     ["errors", "rows", "redact", "codec"],
     ["io", "models", "engines", "progress", "reaper", "sample_data", "install_check", "cluster", "watchdog"],
     ["config", "stages"],
-    ["processor", "builders"],
+    ["processor", "builders", "deployments"],
     ["jobs", "demo"],
     ["cli", "__init__", "__main__"],
 ]

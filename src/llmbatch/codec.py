@@ -27,6 +27,7 @@ import pyarrow as pa
 from llmbatch.rows import (
     ERROR_COLUMN,
     GENERATE_OUTPUT_COLUMNS,
+    HTTP_OUTPUT_COLUMNS,
     POOLING_OUTPUT_COLUMNS,
     Row,
 )
@@ -54,12 +55,23 @@ OUTPUT_TYPES: dict[str, pa.DataType] = {
 
 
 def empty_engine_output(task_type: str, row: Row) -> dict[str, Any]:
-    """Engine columns of a row that never got an answer (an error row)."""
-    columns = GENERATE_OUTPUT_COLUMNS if task_type == "generate" else POOLING_OUTPUT_COLUMNS
+    """Engine columns of a row that never got an answer (an error row).
+
+    ``task_type`` "endpoint" (HTTP, Ray Serve): the endpoint columns, and the generate columns
+    too for a row that asked with ``messages``/``prompt`` rather than its own request."""
+    if task_type == "endpoint":
+        columns = HTTP_OUTPUT_COLUMNS
+        if "request_kwargs" in row:  # a Serve deployment's response fields are merged into the row
+            columns = tuple(c for c in columns if c != "http_response")
+        elif "payload" not in row:
+            columns = tuple(dict.fromkeys(GENERATE_OUTPUT_COLUMNS + columns))
+    else:
+        columns = GENERATE_OUTPUT_COLUMNS if task_type == "generate" else POOLING_OUTPUT_COLUMNS
     defaults = {
         "generated_text": "", "generated_tokens": [], "num_input_tokens": 0, "num_generated_tokens": 0,
         "prompt": row.get("prompt") if isinstance(row.get("prompt"), str) else "",
         "finish_reason": "error", "time_taken_llm": 0.0, "request_id": -1, "batch_uuid": "", "embeddings": None,
+        "http_response": None,
     }
     return {c: defaults[c] for c in columns}
 

@@ -45,7 +45,13 @@ POOLING_OUTPUT_COLUMNS = (
     "request_id",
     "batch_uuid",
 )
-ENGINE_OUTPUT_COLUMNS = tuple(dict.fromkeys(GENERATE_OUTPUT_COLUMNS + POOLING_OUTPUT_COLUMNS))
+#: Columns an endpoint engine (HTTP, Ray Serve) writes on a row that carried its own request
+#: (``payload`` / ``request_kwargs``, Ray's contract): the response as it came (``http_response``;
+#: a Serve deployment's response fields are merged into the row instead, as in Ray) and the token
+#: usage it reported. Rows with ``messages``/``prompt`` get the generate columns as well.
+HTTP_OUTPUT_COLUMNS = ("http_response", "num_input_tokens", "num_generated_tokens", "time_taken_llm", "request_id",
+                       "batch_uuid")
+ENGINE_OUTPUT_COLUMNS = tuple(dict.fromkeys(GENERATE_OUTPUT_COLUMNS + POOLING_OUTPUT_COLUMNS + HTTP_OUTPUT_COLUMNS))
 
 #: Request fields that preprocess produces and the stages consume; they are not part of the
 #: output row (as in Ray, where the engine stage pops them).
@@ -58,6 +64,10 @@ REQUEST_COLUMNS = (
     "mm_processor_kwargs",
     "multimodal_uuids",
     "tokenization_kwargs",
+    "payload",
+    "request_kwargs",
+    "method",
+    "dtype",
 )
 
 #: vLLM ``SamplingParams`` fields (vLLM 0.26-0.32) plus older names still accepted by some

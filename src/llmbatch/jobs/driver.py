@@ -59,7 +59,8 @@ class Committer:
         self.buffered = 0
         self.last_commit = time.monotonic()
         self.duplicates = 0
-        self.json_columns: set[str] = {"messages"}
+        # columns of free-form JSON (an endpoint's whole answer) are kept as JSON text
+        self.json_columns: set[str] = {"messages", "http_response"}
 
     def add(self, encoded: pa.Table) -> None:
         if encoded.num_rows == 0:

@@ -76,7 +76,10 @@ def output_columns(job: JobDir, spec: JobSpec, meta: JobMeta) -> tuple[list[str]
             seen.update(dict.fromkeys(_public(s.names)))
         return list(seen), schemas
     inputs = [rename.get(c, c) for c in meta.columns]
-    engine = [rename.get(c, c) for c in DEFAULT_ENGINE_COLUMNS]
+    defaults = DEFAULT_ENGINE_COLUMNS
+    if rename.get("generated_text", "generated_text") not in present:  # rows that sent their own request (payload): the whole answer
+        defaults = ("http_response",) + defaults
+    engine = [rename.get(c, c) for c in defaults]
     for name in inputs + engine:
         if name in present:
             seen[name] = None

@@ -28,8 +28,10 @@ from pydantic import ConfigDict, Field, PrivateAttr, field_validator, model_vali
 
 from llmbatch.builders import builder_for
 from llmbatch.config import (
+    EndpointProcessorConfig,
     HttpRequestProcessorConfig,
     ProcessorConfig,
+    ServeDeploymentProcessorConfig,
     SGLangEngineProcessorConfig,
     _Config,
     vLLMEngineProcessorConfig,
@@ -45,6 +47,8 @@ PROCESSOR_CONFIGS: dict[str, type[ProcessorConfig]] = {
     "sglang": SGLangEngineProcessorConfig,
     "HttpRequestProcessorConfig": HttpRequestProcessorConfig,
     "http": HttpRequestProcessorConfig,
+    "ServeDeploymentProcessorConfig": ServeDeploymentProcessorConfig,
+    "serve": ServeDeploymentProcessorConfig,
 }
 
 
@@ -64,8 +68,8 @@ class ModelSpec(_Config):
 
     model_config = ConfigDict(extra="allow", validate_assignment=True)
 
-    source: str = Field(..., description="model_source: an offline alias, folder, hub id, s3:// folder or .gguf file.")
-    processor: str = Field("vLLMEngineProcessorConfig", description="Which processor config: vLLMEngineProcessorConfig (default), SGLangEngineProcessorConfig or HttpRequestProcessorConfig.")
+    source: str = Field(..., description="model_source: an offline alias, folder, hub id, s3:// folder or .gguf file. For an endpoint (processor: http or serve): the model name sent with each request.")
+    processor: str = Field("vLLMEngineProcessorConfig", description="Which processor config: vLLMEngineProcessorConfig (default, 'vllm'), SGLangEngineProcessorConfig ('sglang'), HttpRequestProcessorConfig ('http': an OpenAI-compatible endpoint, with url, api_key_env...) or ServeDeploymentProcessorConfig ('serve': a Ray Serve deployment).")
 
     @model_validator(mode="before")
     @classmethod
@@ -205,7 +209,9 @@ class JobSpec(_Config):
         cls = PROCESSOR_CONFIGS[self.model.processor]
         fields = self.model.processor_fields()
         fields["should_continue_on_error"] = self.continue_on_error
-        if cls is not HttpRequestProcessorConfig:
+        if issubclass(cls, EndpointProcessorConfig):
+            fields.setdefault("model", self.model.source)  # the model name the endpoint serves
+        else:
             fields["model_source"] = self.model.source
         try:
             return cls(**fields)

@@ -54,6 +54,9 @@ class EngineStage(Stage):
         super().__init__()
         self.structured_output_errors = structured_output_errors
         self.engine = engine
+        # what a row must carry is the engine's to say (a prompt for vLLM; a payload, messages
+        # or a prompt for an endpoint)
+        self.required_any = getattr(engine, "required_any", type(self).required_any)
         self.max_pending_requests = max_pending_requests
         self.dedup = dedup
         self.sort_by_prefix = sort_by_prefix
@@ -72,6 +75,12 @@ class EngineStage(Stage):
         #: requests inside the engine now, and answered so far (the replica's heartbeat)
         self.in_flight = 0
         self.done = 0
+
+    def prepare(self) -> None:
+        """In the driver, when the processor runs: what the engine's replicas share."""
+        prepare = getattr(self.engine, "prepare", None)
+        if prepare is not None:
+            prepare()
 
     async def start(self) -> None:
         self.replica = f"{os.uname().nodename}:{os.getpid()}"  # the worker's, not the driver's
