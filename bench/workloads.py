@@ -9,7 +9,12 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from llmbatch.sample_data import INDUSTRIES, customers
+from llmbatch.sample_data import customers
+
+# The demo's labels when the figures in RESULTS.md were taken, kept so that the workload stays
+# the same (the demo's own prompt and labels changed since: see bench/demo_prompt.py).
+INDUSTRIES = ["Law Firm", "Retail", "Technology", "Finance", "Healthcare", "Manufacturing", "Construction",
+              "Real Estate", "Hospitality", "Transportation", "Energy", "Education", "Media", "Agriculture", "Other"]
 
 SYSTEM = "You are a concise assistant for a CRM team."
 
@@ -26,8 +31,8 @@ def unique(n: int, seed: int = 0) -> list[dict[str, Any]]:
 
 
 def customers_industry(n: int, seed: int = 0) -> list[dict[str, Any]]:
-    """The industry classification of the demo: one shared system prompt, companies repeat as
-    in real customer data, short choice-constrained answers."""
+    """The industry classification of the demo (its prompt before issue 8): one shared system
+    prompt, companies repeat as in real customer data, short choice-constrained answers."""
     rows = []
     for i, c in enumerate(customers(n, seed)):
         rows.append({"id": i, "messages": [

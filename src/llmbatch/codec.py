@@ -19,6 +19,7 @@ import json
 import logging
 import pickle
 import sys
+import sysconfig
 from collections.abc import Callable
 from typing import Any
 
@@ -159,17 +160,18 @@ def digest64(text: str) -> int:
 # ---------------------------------------------------------------------------- user functions
 
 
-def _local_module(fn: Any):
-    """``fn``'s module when the workers may not be able to import it (a script's helper, a
-    test file, a job's module): not installed, not llmbatch, not ``__main__``."""
-    name = getattr(fn, "__module__", None) or getattr(type(fn), "__module__", None)
-    module = sys.modules.get(name or "")
+def _is_local(name: str, module: Any) -> bool:
+    """A module the workers may not be able to import (a script's helper, a test file, a
+    job's module): not installed, not the standard library, not llmbatch, not ``__main__``."""
     if module is None or name == "__main__" or name.startswith("llmbatch"):
-        return None
-    origin = getattr(module, "__file__", "") or ""
+        return False
+    origin = getattr(module, "__file__", None) or ""
     if not origin or "site-packages" in origin or "dist-packages" in origin:
-        return None
-    return module
+        return False
+    return not origin.startswith(_STDLIB)
+
+
+_STDLIB = sysconfig.get_paths()["stdlib"]
 
 
 def _cloudpickle():
@@ -181,17 +183,17 @@ def _cloudpickle():
 
 
 def _dumps_by_value(fn: Callable) -> bytes:
+    """``fn`` pickled with the code of every local module it reaches (a wrapper's function, the
+    helpers a job's module imports), registered for this one pickling only."""
     cp = _cloudpickle()
-    module = _local_module(fn)
-    if module is None:
-        return cp.dumps(fn)
-    registered = module.__name__ in cp.list_registry_pickle_by_value()
-    if not registered:
+    already = set(cp.list_registry_pickle_by_value())
+    local = [m for name, m in list(sys.modules.items()) if name not in already and _is_local(name, m)]
+    for module in local:
         cp.register_pickle_by_value(module)
     try:
         return cp.dumps(fn)
     finally:
-        if not registered:
+        for module in local:
             cp.unregister_pickle_by_value(module)
 
 

@@ -251,7 +251,8 @@ class Processor:
         kwargs = dict(
             fn_constructor_kwargs=dict(stages=op.stages, sink=sink, encoded_output=lay.encoded_output,
                                        task_type=lay.task_type, continue_on_error=lay.continue_on_error,
-                                       keep_private=lay.keep_private, run_id=run_id, role=op.name),
+                                       keep_private=lay.keep_private, run_id=run_id, role=op.name,
+                                       peers=op.min_workers, peer_wait_s=lay.stall_timeout_s or 600.0),
             batch_size=op.batch_size,
             batch_format="pyarrow",
             zero_copy_batch=True,

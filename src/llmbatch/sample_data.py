@@ -4,6 +4,10 @@ Columns: ``Index, Customer Id, First Name, Last Name, Company, City, Country, Ph
 Phone 2, Email, Subscription Date, Website``. Values look real; company names repeat the way
 they do in real customer data (a few companies have many customers, most have one or two).
 The same seed gives the same file; any number of rows streams to disk in bounded memory.
+
+Some company names reveal their industry ("Atlas Insurance", "Turner Pharma"), most do not
+("Smith LLC", "Jones-Brown"); :func:`known_industry` says which, so answers about these rows
+can be scored (the demo prints its accuracy on them).
 """
 
 from __future__ import annotations
@@ -84,9 +88,52 @@ COUNTRY_WEIGHTS = [30, 10, 7, 6, 6, 5, 6, 4, 4, 3, 3, 3, 2, 2, 2, 2]
 TLDS = ["com", "com", "com", "net", "org", "info", "biz", "io", "co"]
 MAIL_DOMAINS = ["gmail.com", "yahoo.com", "outlook.com", "hotmail.com", "proton.me"]
 
-INDUSTRIES = ["Law Firm", "Retail", "Technology", "Finance", "Healthcare", "Manufacturing", "Construction",
-              "Real Estate", "Hospitality", "Transportation", "Energy", "Education", "Media", "Agriculture",
-              "Other"]
+# The labels the demo and examples/industry.yaml ask the model to choose from. Lower case on
+# purpose: with choice-constrained greedy decoding a small model's first token decides the
+# answer, and capitalised labels let one-letter tokens ("A", "F") that start sentences pull
+# answers to whichever label begins with them (see bench/demo_prompt.py).
+INDUSTRIES = ["legal", "retail", "technology", "financial services", "healthcare", "manufacturing", "construction",
+              "real estate", "hotels and hospitality", "transportation", "energy", "education", "media",
+              "agriculture", "food and beverage", "consulting", "automotive", "other"]
+
+# The industry (one of INDUSTRIES) each word of TRADES reveals when it is in a company name.
+# None: the word does not settle it ("Security": guarding, cybersecurity or securities).
+TRADE_INDUSTRY: dict[str, str | None] = {
+    "Legal": "legal", "Law": "legal",
+    "Bakery": "food and beverage", "Foods": "food and beverage", "Brewing": "food and beverage",
+    "Logistics": "transportation", "Airlines": "transportation", "Marine": "transportation",
+    "Software": "technology", "Analytics": "technology", "Robotics": "technology", "Telecom": "technology",
+    "Consulting": "consulting",
+    "Construction": "construction",
+    "Dental": "healthcare", "Health": "healthcare", "Pharma": "healthcare",
+    "Realty": "real estate",
+    "Motors": "automotive",
+    "Energy": "energy",
+    "Capital": "financial services", "Insurance": "financial services", "Bank": "financial services",
+    "Media": "media", "Games": "media",
+    "Apparel": "retail", "Furniture": "retail",
+    "Textiles": "manufacturing",
+    "Hotels": "hotels and hospitality",
+    "Farms": "agriculture",
+    "Education": "education",
+    "Security": None,
+}
+
+
+def known_industry(company: str) -> str | None:
+    """The true industry of a company name that reveals one (one of :data:`INDUSTRIES`), else None.
+
+    A name reveals its industry when one of its words is a trade word with an industry in
+    :data:`TRADE_INDUSTRY`: ``"Atlas Insurance"`` and ``"Atlas Insurance LLC"`` are
+    ``"financial services"``, ``"Griffin Consulting"`` is ``"consulting"``. Names made of
+    surnames and suffixes (``"Smith LLC"``, ``"Jones-Brown"``, ``"Lee, Kim and Cox"``) and
+    ``"... Security"`` reveal none: None.
+    """
+    for word in company.replace(",", " ").split():
+        industry = TRADE_INDUSTRY.get(word)
+        if industry is not None:
+            return industry
+    return None
 
 
 def _company(rng: random.Random) -> str:

@@ -8,7 +8,8 @@ Two parts watch for it:
 
 - every worker of a processor (:class:`~llmbatch.stages.runner.StageRunner`) publishes a
   :class:`Heartbeat` in Ray's internal key-value store every few seconds: whether it is still
-  starting (an engine loading its model) and how many requests are inside its engine;
+  starting (an engine loading its model) or waiting for its peers (:func:`wait_for_peers`),
+  and how many requests are inside its engine;
 - :class:`StallWatchdog`, a Ray Data execution callback in the driver, looks at every
   scheduling step whether any operator made progress (outputs taken, tasks finished, blocks
   moved) or any worker is starting or working. When nothing happened for
@@ -109,6 +110,34 @@ def read_heartbeats(run_id: str) -> list[dict[str, Any]]:
     return out
 
 
+def wait_for_peers(run_id: str, role: str, peers: int, timeout_s: float, poll_s: float = 1.0) -> int:
+    """Block until ``peers`` workers of ``role`` (this one included) have started, so that all
+    replicas share the work from the first batch on instead of the first one queueing it all;
+    returns how many did. Bounded: after ``timeout_s`` the ones that started go ahead (and a
+    replica that can never be placed does not hold the run)."""
+    deadline = time.monotonic() + max(0.0, timeout_s)
+    count = 0
+    while True:
+        try:
+            beats = read_heartbeats(run_id)
+        except Exception:  # noqa: BLE001 - cannot see the peers: do not wait for them
+            return 1
+        started = [b for b in beats if b.get("role") == role and b.get("state") in ("waiting", "ready")
+                   and time.time() - float(b.get("at", 0)) < HEARTBEAT_FRESH_S]
+        count = len(started)
+        if count >= peers:
+            # every replica computes the same moment from the same heartbeats and goes then,
+            # so Ray Data sees them ready together and hands each its share
+            release = max(float(b.get("waiting_since") or 0) for b in started) + 2 * poll_s
+            time.sleep(max(0.0, min(release - time.time(), 2 * poll_s)))
+            return count
+        if time.monotonic() >= deadline:
+            logger.warning("%d of %d replicas of %s started within %.0f s; the others are left to catch up",
+                           count, peers, role, timeout_s)
+            return count
+        time.sleep(poll_s)
+
+
 def clear_heartbeats(run_id: str) -> None:
     try:
         _kv()._internal_kv_del(_prefix(run_id), del_by_prefix=True, namespace=NAMESPACE)
@@ -187,7 +216,7 @@ class StallWatchdog(_execution_callback_base()):
 def _busy(beat: dict[str, Any]) -> bool:
     """A fresh heartbeat of a worker that is starting or has requests in its engine."""
     fresh = time.time() - float(beat.get("at", 0)) < HEARTBEAT_FRESH_S
-    return fresh and (beat.get("state") == "starting" or int(beat.get("in_flight") or 0) > 0)
+    return fresh and (beat.get("state") in ("starting", "waiting") or int(beat.get("in_flight") or 0) > 0)
 
 
 def _progress_state(executor) -> tuple:

@@ -6,7 +6,7 @@ credentials, with secrets planted in every place a user can put one.
   job file, and says so when resumed from the directory alone);
 - the job directory holds no pickles (staged input and parts are Arrow columns);
 - dedup follows its real rule on the real engine: greedy or seeded requests with n == 1 are
-  answered once and copied, sampled ones are not; stats count generated and delivered tokens
+  answered once and copied; sampled ones, and seeded ones asking for n > 1, are not; stats count generated and delivered tokens
   apart.
 """
 
@@ -48,7 +48,7 @@ def request(row):
     elif kind == "sampled":
         params.update(temperature=0.9)
     elif kind == "two":
-        params.update(temperature=0, n=2)
+        params.update(temperature=0.9, seed=7, n=2)
     return {"prompt": "Name one fruit:", "sampling_params": params}
 '''
 KINDS = ["greedy"] * 4 + ["seeded"] * 4 + ["sampled"] * 4 + ["two"] * 2
@@ -155,6 +155,7 @@ def test_dedup_copies_only_deterministic_requests_and_tokens_are_counted_apart(s
     job_dir = tmp / "out" / "answers.parquet.job"
     rows = pa.concat_tables([pq.read_table(p) for p in sorted((job_dir / "parts").glob("*.parquet"))],
                             promote_options="permissive").to_pylist()
+    assert all(not r["__inference_error__"] for r in rows), [r["__inference_error__"] for r in rows]
     copied = {k: sum(1 for r in rows if r["kind"] == k and r["__llmbatch_stats"]["deduped"]) for k in set(KINDS)}
     assert copied == {"greedy": 3, "seeded": 3, "sampled": 0, "two": 0}, copied
     answers = {k: {r["generated_text"] for r in rows if r["kind"] == k} for k in ("greedy", "seeded")}

@@ -45,4 +45,4 @@ def test_middle_operators_pass_encoded_rows_and_the_job_sink_keeps_its_private_c
 
 def test_heartbeat_probe_says_ready_after_start():
     runner = StageRunner([Answer()])
-    assert runner._probe() == {"state": "ready", "in_flight": 0, "done": 0}
+    assert runner._probe() == {"state": "ready", "waiting_since": 0.0, "in_flight": 0, "done": 0}

@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import sys
+import sysconfig
 from typing import Any
 
 from llmbatch.config import (
@@ -33,10 +34,14 @@ def _module_sources(fn: Any, python_path: list[str]) -> dict[str, str]:
     """sha256 of the source of ``fn``'s module and of every module loaded from the job's own
     folders (its helpers and constants), by module name."""
     folders = [os.path.realpath(f) for f in python_path]
+    installed = [os.path.realpath(p) for p in (sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"],
+                                               sysconfig.get_paths()["platlib"], sys.prefix)]
     names = {getattr(fn, "__module__", None)}
     for name, module in list(sys.modules.items()):
-        origin = getattr(module, "__file__", None)
-        if origin and any(os.path.realpath(origin).startswith(f + os.sep) for f in folders):
+        origin = os.path.realpath(getattr(module, "__file__", None) or "/")
+        if any(origin.startswith(f + os.sep) for f in installed):
+            continue  # installed packages are identified by their versions, not here
+        if any(origin.startswith(f + os.sep) for f in folders):
             names.add(name)
     out = {}
     for name in sorted(n for n in names if n):

@@ -281,8 +281,10 @@ def _relative_to(base: Path, value: str | None) -> str | None:
     return str((base / value).resolve()) if not value.startswith("~") else os.path.expanduser(value)
 
 
-def resolve_paths(data: dict[str, Any], base: Path) -> dict[str, Any]:
-    """Make the job's relative paths relative to ``base`` (the job file's folder)."""
+def resolve_paths(data: dict[str, Any], base: Path, job_file_folder: bool = True) -> dict[str, Any]:
+    """Make the job's relative paths relative to ``base`` (the job file's folder, which is
+    also where preprocess/postprocess modules are imported from; a job given as data only,
+    e.g. resumed from its directory, adds no folder of its own)."""
     if isinstance(data.get("input"), dict):
         data["input"]["path"] = _relative_to(base, data["input"].get("path"))
     if isinstance(data.get("output"), dict):
@@ -291,7 +293,7 @@ def resolve_paths(data: dict[str, Any], base: Path) -> dict[str, Any]:
         data["job_dir"] = _relative_to(base, data["job_dir"])
     if data.get("preprocess") or data.get("postprocess"):
         paths = [_relative_to(base, p) for p in data.get("python_path") or []]
-        data["python_path"] = list(dict.fromkeys(paths + [str(base)]))
+        data["python_path"] = list(dict.fromkeys(paths + ([str(base)] if job_file_folder else [])))
     model = data.get("model")
     if isinstance(model, dict):
         src = model.get("source", model.get("model_source"))
@@ -320,7 +322,7 @@ def load_job(path: str | os.PathLike | None = None, overrides: list[str] | None 
     if data:
         doc = _merge(doc, data)
     doc = apply_overrides(doc, overrides or [])
-    doc = resolve_paths(doc, base)
+    doc = resolve_paths(doc, base, job_file_folder=path is not None)
     raw = copy.deepcopy(doc)
     spec = JobSpec(**expand_env(doc))
     spec._raw = raw

@@ -29,6 +29,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import numpy as np
 import pyarrow as pa
@@ -62,7 +63,9 @@ def input_fingerprint(path: str) -> dict[str, Any]:
         files = [path]
     out = []
     for f in files:
-        entry: dict[str, Any] = {"file": os.path.relpath(f, path) if f != path else os.path.basename(f)}
+        # a name, never a URL's credentials or signed query
+        name = os.path.relpath(f, path) if f != path else os.path.basename(urlsplit(f).path if "://" in f else f)
+        entry: dict[str, Any] = {"file": name}
         if "://" not in f:
             st = os.stat(f)
             entry.update(size=st.st_size, mtime_ns=st.st_mtime_ns)

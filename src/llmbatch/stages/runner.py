@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -31,9 +32,11 @@ from llmbatch.rows import (
 )
 from llmbatch.stages.base import Stage
 from llmbatch.stages.user_fns import PostprocessStage, default_output
-from llmbatch.watchdog import Heartbeat
+from llmbatch.watchdog import Heartbeat, wait_for_peers
 
 logger = logging.getLogger(__name__)
+#: How long closing one stage may take when the runner goes away (an engine's shutdown).
+CLOSE_TIMEOUT_S = 30.0
 
 
 class _LoopThread:
@@ -44,8 +47,8 @@ class _LoopThread:
         self.thread = threading.Thread(target=self.loop.run_forever, name="llmbatch-loop", daemon=True)
         self.thread.start()
 
-    def run(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+    def run(self, coro, timeout: float | None = None):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     def iterate(self, agen: AsyncIterator[Any]) -> Iterator[Any]:
         """Iterate an async generator from sync code (items arrive as the loop makes them)."""
@@ -83,7 +86,8 @@ class StageRunner:
 
     def __init__(self, stages: list[Stage], *, sink: bool = False, encoded_output: bool = False,
                  task_type: str = "generate", continue_on_error: bool = True,
-                 keep_private: tuple[str, ...] = (), run_id: str | None = None, role: str = ""):
+                 keep_private: tuple[str, ...] = (), run_id: str | None = None, role: str = "",
+                 peers: int = 1, peer_wait_s: float = 300.0):
         self.stages = stages
         self.sink = sink
         self.encoded_output = encoded_output
@@ -91,20 +95,26 @@ class StageRunner:
         self.task_type = task_type
         self.continue_on_error = continue_on_error
         self.keep_private = keep_private
-        self._started = False
+        self._state = "starting"
+        self._waiting_since = 0.0
         self._heartbeat = None
         if run_id is not None:
             self._heartbeat = Heartbeat(run_id, role, self._probe).start()
         self._loop = _LoopThread()
         for stage in stages:
             self._loop.run(stage.start())
-        self._started = True
+        if run_id is not None and peers > 1:
+            self._state = "waiting"
+            self._waiting_since = time.time()
+            self._heartbeat.beat()
+            wait_for_peers(run_id, role, peers, peer_wait_s)
+        self._state = "ready"
         if self._heartbeat is not None:
             self._heartbeat.beat()
 
     def _probe(self) -> dict[str, Any]:
         """What the heartbeat says: starting, and requests inside this worker's engine."""
-        return {"state": "ready" if self._started else "starting",
+        return {"state": self._state, "waiting_since": self._waiting_since,
                 "in_flight": sum(getattr(s, "in_flight", 0) for s in self.stages),
                 "done": sum(getattr(s, "done", 0) for s in self.stages)}
 
@@ -153,10 +163,10 @@ class StageRunner:
         if heartbeat is not None:
             heartbeat.stop()
         loop = getattr(self, "_loop", None)
-        if loop is None:
-            return
+        if loop is None or not loop.thread.is_alive():
+            return  # at interpreter exit the loop's thread is gone: nothing can run on it
         for stage in getattr(self, "stages", []):
             try:
-                loop.run(stage.close())
-            except Exception:  # noqa: BLE001 - best effort at shutdown
+                loop.run(stage.close(), timeout=CLOSE_TIMEOUT_S)
+            except Exception:  # noqa: BLE001 - best effort at shutdown, bounded
                 pass
