@@ -34,7 +34,8 @@ def test_every_example_is_covered():
     jobs = sorted(p.name for p in EXAMPLES.glob("*.yaml"))
     scripts = sorted(p.name for p in EXAMPLES.glob("*.py") if p.name != "notes.py")
     assert jobs == ["industry.yaml", "welcome_notes.yaml"]
-    assert scripts == ["quickstart.py"]
+    # openai_endpoint.py runs in test_http_vllm.py (against vllm serve), shared_engine.py in test_serve.py
+    assert scripts == ["openai_endpoint.py", "quickstart.py", "shared_engine.py"]
 
 
 def test_industry_example(ray_cluster, smollm2, sample_csv, tmp_path):
