@@ -23,7 +23,7 @@ from llmbatch.config import (
     vLLMEngineProcessorConfig,
 )
 from llmbatch.engines.http import HttpEngine
-from llmbatch.engines.serve import ServeEngine
+from llmbatch.engines.serve import REPLICA_ATTEMPTS, ServeEngine
 from llmbatch.engines.vllm import VLLMEngine
 from llmbatch.errors import ConfigError, MissingDependencyError
 from llmbatch.processor import Layout, Processor, StageSpec
@@ -148,7 +148,7 @@ def build_vllm_processor(config: vLLMEngineProcessorConfig, *, preprocess: UserF
 def _endpoint_layout(config: EndpointProcessorConfig, engine: Any, *, preprocess: UserFn | None,
                      postprocess: UserFn | None, preprocess_map_kwargs: dict[str, Any] | None,
                      postprocess_map_kwargs: dict[str, Any] | None, keep_private: tuple[str, ...],
-                     encoded_output: bool, stage: Any = None) -> Layout:
+                     encoded_output: bool, stage: Any = None, max_attempts: int = 3) -> Layout:
     """[preprocess] -> endpoint -> [postprocess]: no chat template, tokenizer or GPU here."""
     pre = [StageSpec(PreprocessStage(preprocess), None, preprocess_map_kwargs)] if preprocess is not None else []
     post = [StageSpec(PostprocessStage(postprocess), None, postprocess_map_kwargs)] if postprocess is not None else []
@@ -156,7 +156,8 @@ def _endpoint_layout(config: EndpointProcessorConfig, engine: Any, *, preprocess
         post.append(StageSpec(_Passthrough(), None))
     stage_engine = EngineStage(engine, max_pending_requests=config.max_concurrent_requests, dedup=config.dedup_requests,
                                sort_by_prefix=False, flush_rows=max(1, min(64, config.batch_size // 4)),
-                               structured_output_errors=config.resolved_structured_output_errors())
+                               structured_output_errors=config.resolved_structured_output_errors(),
+                               max_attempts=max_attempts)
     batch_size, concurrency = config.batch_size, config.concurrency
     resources: dict[str, Any] = {}
     if stage is not None:
@@ -215,7 +216,8 @@ def build_serve_processor(config: ServeDeploymentProcessorConfig, *, preprocess:
                          structured_fields=config.structured_output_fields)
     layout = _endpoint_layout(config, engine, preprocess=preprocess, postprocess=postprocess,
                               preprocess_map_kwargs=preprocess_map_kwargs, postprocess_map_kwargs=postprocess_map_kwargs,
-                              keep_private=keep_private, encoded_output=encoded_output)
+                              keep_private=keep_private, encoded_output=encoded_output,
+                              max_attempts=REPLICA_ATTEMPTS)
     return Processor(config, layout)
 
 

@@ -39,8 +39,10 @@ logger = logging.getLogger(__name__)
 REPLICA_ERRORS = ("RayActorError", "ActorDiedError", "ActorUnavailableError", "ActorUnschedulableError",
                   "BackPressureError", "DeploymentUnavailableError", "RaySystemError", "WorkerCrashedError",
                   "NodeDiedError", "ObjectLostError", "OwnerDiedError")
-#: Seconds to wait before a row runs again after its replica died (Serve starts a new one).
+#: Seconds to wait before a row runs again after its replica died (Serve starts a new one, and
+#: routes the row to it once it is up), and how many times a row may meet a dead replica.
 REPLICA_RETRY_WAIT_S = 2.0
+REPLICA_ATTEMPTS = 8
 
 
 def _error_names(exc: BaseException) -> set[str]:
