@@ -6,7 +6,12 @@ import asyncio
 import random
 import time
 
-from llmbatch.engines.limits import MARGIN, AdaptiveConcurrency, RateLimits, RateSchedule
+from llmbatch.engines.limits import (
+    MARGIN,
+    AdaptiveConcurrency,
+    RateLimits,
+    RateSchedule,
+)
 
 
 def _max_in_window(times: list[float], weights: list[float], window: float) -> float:
