@@ -92,3 +92,12 @@ def customers_csv(tmp_path_factory) -> Path:
     from llmbatch.sample_data import write_customers_csv
 
     return write_customers_csv(tmp_path_factory.mktemp("data") / "customers.csv", 400, seed=7)
+
+
+@pytest.fixture(scope="session")
+def test_models(minilm, smollm2) -> dict:
+    """The seeded test models (classifier, cross-encoder, reward model, LoRA adapters), built
+    offline once into the cache (``llmbatch models make-test-models``)."""
+    from llmbatch.toy_models import make_test_models
+
+    return {name: str(path) for name, path in make_test_models().items()}

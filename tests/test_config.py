@@ -179,4 +179,4 @@ def test_configuration_reference_is_current():
     from llmbatch.jobs.reference import config_reference
 
     committed = (Path(__file__).resolve().parents[1] / "docs" / "configuration.md").read_text()
-    assert committed.strip() == config_reference().strip(), "regenerate docs/configuration.md with llmbatch.config.config_reference()"
+    assert committed.strip() == config_reference().strip(), "regenerate docs/configuration.md with llmbatch.jobs.reference.config_reference()"

@@ -89,7 +89,7 @@ def test_multimodal_settings_not_implemented_are_refused(field, value):
 
 
 def test_log_engine_metrics_says_what_it_needs_where_ray_serve_is_missing():
-    from llmbatch.engines.vllm import _ray_stat_logger
+    from llmbatch.engines.vllm_setup import _ray_stat_logger
     from llmbatch.errors import MissingDependencyError
 
     try:

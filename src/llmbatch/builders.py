@@ -109,7 +109,8 @@ def build_vllm_processor(config: vLLMEngineProcessorConfig, *, preprocess: UserF
     if tk.enabled:
         max_len = config.engine_kwargs.get("max_model_len")
         pre.append(StageSpec(TokenizeStage(tk.model_source or config.model_source,
-                                           int(max_len) if max_len is not None else None, trust, generate=generate), tk))
+                                           int(max_len) if max_len is not None else None, trust,
+                                           task=config.task_type), tk))
     engine_kwargs = dict(config.engine_kwargs)
     remote_fn = None
     if config.placement_group_config:

@@ -1,12 +1,13 @@
 """The ``llmbatch`` command line: jobs without Python.
 
 ``run`` (a job file or flags), ``resume``, ``status``, ``retry-errors``, ``plan``, ``models``,
-``sample`` and ``demo``. Exit codes: 0 done (a job with error rows is done: see its
+``sample``, ``demo`` and ``serve`` (the OpenAI Batch API server). Exit codes: 0 done (a job with error rows is done: see its
 errors.jsonl), 2 a config or input mistake, 130 stopped by Ctrl-C (resume continues), 1 other.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import sys
 from pathlib import Path
@@ -17,7 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from llmbatch.demo import run_demo
-from llmbatch.errors import LLMBatchError
+from llmbatch.errors import LLMBatchError, MissingDependencyError
 from llmbatch.jobs.plan import plan_job
 from llmbatch.jobs.run import run_job
 from llmbatch.jobs.spec import load_job
@@ -26,6 +27,7 @@ from llmbatch.models import DEFAULT_MODEL, list_models, prepare
 from llmbatch.progress import fmt_duration
 from llmbatch.redact import redact_text
 from llmbatch.sample_data import write_customers_csv
+from llmbatch.toy_models import make_test_models
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Run LLMs over whole datasets: resumable, exactly-once batch inference.")
@@ -86,12 +88,18 @@ def _run(job, overrides, **kwargs) -> None:
 def run(
     job_file: Annotated[Optional[Path], typer.Argument(help="Job file (YAML). Flags below override its fields.")] = None,
     input: Annotated[Optional[str], typer.Option("--input", "-i", help="Input file or URL (csv, jsonl, json, parquet, hf dataset dir).")] = None,
+    openai_batch: Annotated[Optional[str], typer.Option("--openai-batch", help="An OpenAI Batch API file (JSONL requests); --output gets OpenAI's output lines, --errors the error lines.")] = None,
+    errors: Annotated[Optional[str], typer.Option("--errors", help="With --openai-batch: the error file (default: <output>.errors.jsonl).")] = None,
+    invalid_lines: Annotated[Optional[str], typer.Option("--invalid-lines", help="With --openai-batch: 'fail' (default) lists invalid lines and runs nothing; 'error' writes them to the error file and runs the rest.")] = None,
     id_column: Annotated[Optional[str], typer.Option(help="Column with a unique id per row.")] = None,
     limit: Annotated[Optional[int], typer.Option(help="Only the first N rows.")] = None,
     model: Annotated[Optional[str], typer.Option("--model", "-m", help="Model: offline alias, folder, hub id, .gguf.")] = None,
     system: Annotated[Optional[str], typer.Option(help="System prompt template.")] = None,
     prompt: Annotated[Optional[str], typer.Option("--prompt", "-p", help="User prompt template, e.g. 'What industry is {Company} in?'.")] = None,
     choices: Annotated[Optional[str], typer.Option(help="Comma-separated answers to constrain the output to.")] = None,
+    task: Annotated[Optional[str], typer.Option(help="generate (default), embed, classify or score.")] = None,
+    text_column: Annotated[Optional[str], typer.Option(help="embed/classify: the column whose text is used as is.")] = None,
+    pair_columns: Annotated[Optional[str], typer.Option(help="score: the two columns to score, e.g. 'query,passage'.")] = None,
     max_tokens: Annotated[Optional[int], typer.Option(help="Most tokens to generate per row.")] = None,
     temperature: Annotated[Optional[float], typer.Option(help="Sampling temperature (0: greedy).")] = None,
     output: Annotated[Optional[str], typer.Option("--output", "-o", help="Output file (.parquet, .jsonl, .csv).")] = None,
@@ -114,13 +122,21 @@ def run(
             node = node.setdefault(p, {})
         node[parts[-1]] = value
 
-    put("input.path", input)
+    if openai_batch and input:
+        _fail(LLMBatchError("give --input or --openai-batch, not both"))
+    put("input.path", openai_batch or input)
+    put("input.format", "openai-batch" if openai_batch else None)
+    put("input.invalid_lines", invalid_lines)
+    put("output.errors_path", errors)
     put("input.id_column", id_column)
     put("input.limit", limit)
     put("model.source", model)
     put("prompt.system", system)
     put("prompt.user", prompt)
     put("prompt.choices", [c.strip() for c in choices.split(",")] if choices else None)
+    put("task", task)
+    put("prompt.text_column", text_column)
+    put("prompt.pair_columns", [c.strip() for c in pair_columns.split(",")] if pair_columns else None)
     put("sampling_params.max_tokens", max_tokens)
     put("sampling_params.temperature", temperature)
     put("output.path", output)
@@ -217,6 +233,20 @@ def models_list() -> None:
     Console().print(table)
 
 
+@models_app.command("make-test-models")
+def models_make_test_models(
+    folder: Annotated[Optional[str], typer.Argument(help="Where to build them (default: the cache's test-models).")] = None,
+) -> None:
+    """Build the seeded test models offline: a classifier, a cross-encoder, a reward model and
+    LoRA adapters made from the offline models' weights (for trying every task without a hub)."""
+    try:
+        built = make_test_models(folder)
+    except LLMBatchError as exc:
+        _fail(exc)
+    for name, path in built.items():
+        console.print(f"{name}: {path}")
+
+
 @models_app.command("prepare")
 def models_prepare(name: Annotated[str, typer.Argument(help="Offline model name (see `models list`).")]) -> None:
     """Fetch and convert an offline model once (no model hub needed)."""
@@ -247,6 +277,42 @@ def demo(
     """A real batch job on sample data: infer each customer's company industry."""
     try:
         run_demo(rows=rows, out_dir=out_dir, model=model or DEFAULT_MODEL)
+    except LLMBatchError as exc:
+        _fail(exc)
+
+
+@app.command()
+def serve(
+    model: Annotated[str, typer.Option("--model", "-m", help="The model every batch runs: offline alias, folder, hub id, .gguf.")],
+    data_dir: Annotated[Path, typer.Option(help="Database, files and batch jobs live here.")] = Path("llmbatch-data"),
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
+    set_: SetOpt = None,
+    served_model_name: Annotated[Optional[list[str]], typer.Option(help="A name request bodies may use for the model (repeatable; the first is what answers carry).")] = None,
+    api_key_file: Annotated[Optional[Path], typer.Option(help="File with one API key per line (also: LLMBATCH_API_KEYS=key1,key2).")] = None,
+    no_auth: Annotated[bool, typer.Option("--no-auth", help="No API key needed (loopback addresses only).")] = False,
+    database_url: Annotated[Optional[str], typer.Option(help="SQLAlchemy URL of the metadata database (default: sqlite in --data-dir).")] = None,
+    files_url: Annotated[Optional[str], typer.Option(help="Where file contents live: a folder or fsspec URL (default: <data-dir>/files).")] = None,
+    max_running: Annotated[int, typer.Option(help="Batches that run at once (the rest queue).")] = 1,
+    max_file_bytes: Annotated[int, typer.Option(help="Largest upload, in bytes.")] = 200 * (1 << 20),
+    max_lines: Annotated[int, typer.Option(help="Most requests in one batch file.")] = 50_000,
+    invalid_lines: Annotated[str, typer.Option(help="'fail': a batch with invalid lines fails with their line numbers; 'error': they become error lines.")] = "fail",
+    log_level: Annotated[str, typer.Option(help="Server log level.")] = "info",
+) -> None:
+    """An OpenAI-compatible Batch API (/v1/files, /v1/batches) on your own GPUs: each batch is a
+    resumable, exactly-once job on the Ray cluster RAY_ADDRESS names."""
+    try:
+        server = importlib.import_module("llmbatch.server.main")  # FastAPI & co. only for `serve`
+        settings_mod = importlib.import_module("llmbatch.server.settings")
+    except ImportError as exc:
+        _fail(MissingDependencyError(f"llmbatch serve ({exc.name} is missing)", "llmbatch[serve]"))
+    try:
+        settings = settings_mod.ServerSettings(
+            data_dir=data_dir, model=model, host=host, port=port, overrides=set_ or [],
+            served_model_name=served_model_name or [], api_keys=settings_mod.load_api_keys(api_key_file),
+            no_auth=no_auth, database_url=database_url, files_url=files_url, max_running=max_running,
+            max_file_bytes=max_file_bytes, max_lines=max_lines, invalid_lines=invalid_lines)
+        server.serve(settings, log_level=log_level)
     except LLMBatchError as exc:
         _fail(exc)
 

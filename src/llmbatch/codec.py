@@ -25,13 +25,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from llmbatch.rows import (
-    ERROR_COLUMN,
-    GENERATE_OUTPUT_COLUMNS,
-    HTTP_OUTPUT_COLUMNS,
-    POOLING_OUTPUT_COLUMNS,
-    Row,
-)
+from llmbatch.rows import ERROR_COLUMN, GENERATE_OUTPUT_COLUMNS, HTTP_OUTPUT_COLUMNS, TASK_OUTPUT_COLUMNS, Row
 
 logger = logging.getLogger(__name__)
 
@@ -51,8 +45,13 @@ OUTPUT_TYPES: dict[str, pa.DataType] = {
     "request_id": pa.int64(),
     "batch_uuid": pa.string(),
     "embeddings": pa.list_(pa.float32()),
+    "probs": pa.list_(pa.float32()),
+    "label": pa.string(),
+    "score": pa.float64(),
     ERROR_COLUMN: pa.string(),
 }
+#: Vector columns stored as fixed-size lists when every row of a block has the same length.
+VECTOR_COLUMNS = ("embeddings", "probs")
 
 
 def empty_engine_output(task_type: str, row: Row) -> dict[str, Any]:
@@ -67,12 +66,12 @@ def empty_engine_output(task_type: str, row: Row) -> dict[str, Any]:
         elif "payload" not in row:
             columns = tuple(dict.fromkeys(GENERATE_OUTPUT_COLUMNS + columns))
     else:
-        columns = GENERATE_OUTPUT_COLUMNS if task_type == "generate" else POOLING_OUTPUT_COLUMNS
+        columns = TASK_OUTPUT_COLUMNS[task_type]
     defaults = {
         "generated_text": "", "generated_tokens": [], "num_input_tokens": 0, "num_generated_tokens": 0,
         "prompt": row.get("prompt") if isinstance(row.get("prompt"), str) else "",
         "finish_reason": "error", "time_taken_llm": 0.0, "request_id": -1, "batch_uuid": "", "embeddings": None,
-        "http_response": None,
+        "http_response": None, "probs": None, "label": None, "score": None,
     }
     return {c: defaults[c] for c in columns}
 
@@ -104,6 +103,10 @@ def _column(name: str, values: list[Any], json_columns: set[str] | None) -> tupl
     if json_columns is not None and name in json_columns:
         return _json_text(values), True
     known = OUTPUT_TYPES.get(name)
+    if name in VECTOR_COLUMNS:
+        lengths = {len(v) for v in values if v is not None}
+        if len(lengths) == 1 and lengths != {0}:
+            known = pa.list_(pa.float32(), lengths.pop())  # fixed size: one vector length
     if known is not None:
         try:
             return pa.array(values, type=known), False

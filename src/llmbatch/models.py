@@ -302,17 +302,37 @@ def list_models() -> list[dict[str, str]]:
     ]
 
 
+def model_config(path: str) -> dict:
+    """The model's config.json ({} when it has none)."""
+    try:
+        return json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
 def model_max_len(path: str) -> int | None:
     """The model's context length from its config.json, if it says."""
-    try:
-        config = json.loads((Path(path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
+    config = model_config(path)
     for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
         if isinstance(config.get(key), int):
             return config[key]
     return None
 
+
+def is_sequence_classifier(path: str) -> bool:
+    """Whether the model is a ``*ForSequenceClassification`` checkpoint (a classifier, a
+    cross-encoder or a reward model); otherwise ``task_type="score"`` compares embeddings."""
+    return any(a.endswith("ForSequenceClassification") for a in model_config(path).get("architectures") or [])
+
+
+def id2label(path: str) -> dict[int, str]:
+    """Label names by class index (``LABEL_<i>`` where the config has none)."""
+    config = model_config(path)
+    raw = config.get("id2label") or {}
+    labels = {int(k): str(v) for k, v in raw.items()}
+    for i in range(int(config.get("num_labels") or len(labels) or 0)):
+        labels.setdefault(i, f"LABEL_{i}")
+    return labels
 
 
 _TOKENIZERS: dict[tuple[str, bool], object] = {}

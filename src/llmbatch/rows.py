@@ -51,7 +51,29 @@ POOLING_OUTPUT_COLUMNS = (
 #: usage it reported. Rows with ``messages``/``prompt`` get the generate columns as well.
 HTTP_OUTPUT_COLUMNS = ("http_response", "num_input_tokens", "num_generated_tokens", "time_taken_llm", "request_id",
                        "batch_uuid")
-ENGINE_OUTPUT_COLUMNS = tuple(dict.fromkeys(GENERATE_OUTPUT_COLUMNS + POOLING_OUTPUT_COLUMNS + HTTP_OUTPUT_COLUMNS))
+#: Columns each task writes on every row (classify adds ``probs`` and ``label``, which Ray
+#: lacks; score adds the float ``score``).
+TASK_OUTPUT_COLUMNS = {
+    "generate": GENERATE_OUTPUT_COLUMNS,
+    "embed": POOLING_OUTPUT_COLUMNS,
+    "classify": POOLING_OUTPUT_COLUMNS + ("probs", "label"),
+    "score": POOLING_OUTPUT_COLUMNS + ("score",),
+}
+ENGINE_OUTPUT_COLUMNS = tuple(dict.fromkeys(c for cols in (*TASK_OUTPUT_COLUMNS.values(), HTTP_OUTPUT_COLUMNS) for c in cols))
+#: Keys a scoring row may hold its pair in (Ray's ``text_1``/``text_2``, or ``query``/``document``).
+PAIR_KEYS = (("text_1", "text_2"), ("query", "document"))
+
+
+def text_pair(row: Row) -> tuple[str, str] | None:
+    """A scoring row's two texts, or None when the row has no pair."""
+    for first, second in PAIR_KEYS:
+        if row.get(first) is not None or row.get(second) is not None:
+            a, b = row.get(first), row.get(second)
+            if not isinstance(a, str) or not isinstance(b, str) or not a.strip() or not b.strip():
+                raise RowValidationError(f"a scoring pair needs two non-empty texts in {first!r} and {second!r}, "
+                                         f"got {a!r} and {b!r}")
+            return a, b
+    return None
 
 #: Request fields that preprocess produces and the stages consume; they are not part of the
 #: output row (as in Ray, where the engine stage pops them).
@@ -59,6 +81,8 @@ REQUEST_COLUMNS = (
     "sampling_params",
     "pooling_params",
     "tokenized_prompt",
+    "tokenized_prompt_2",
+    "token_type_ids",
     "chat_template_kwargs",
     "multimodal_data",
     "mm_processor_kwargs",
@@ -89,6 +113,10 @@ PRIVATE_PREFIX = "__llmbatch_"
 ROW_ID = "__llmbatch_id"              # the job's row id (or None outside jobs)
 ADD_SPECIAL_TOKENS = "__llmbatch_add_special_tokens"
 STATS = "__llmbatch_stats"            # per-row engine facts the job layer aggregates
+#: OpenAI request details the engine honours for this row: every one of ``n`` answers with its
+#: stop reason and logprobs (the ``completions`` column), ``max_tokens_auto`` (generate up to
+#: the context length, as OpenAI's chat endpoint does when max_tokens is not given)
+OPENAI = "__llmbatch_openai"
 
 
 def is_error(row: Row) -> bool:

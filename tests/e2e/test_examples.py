@@ -33,7 +33,7 @@ def run_cli(*args, cwd=None):
 def test_every_example_is_covered():
     jobs = sorted(p.name for p in EXAMPLES.glob("*.yaml"))
     scripts = sorted(p.name for p in EXAMPLES.glob("*.py") if p.name != "notes.py")
-    assert jobs == ["industry.yaml", "welcome_notes.yaml"]
+    assert jobs == ["classify.yaml", "embed.yaml", "industry.yaml", "score.yaml", "welcome_notes.yaml"]
     # openai_endpoint.py runs in test_http_vllm.py (against vllm serve), shared_engine.py in test_serve.py
     assert scripts == ["openai_endpoint.py", "quickstart.py", "shared_engine.py"]
 
@@ -68,3 +68,65 @@ def test_quickstart_script(ray_cluster, smollm2, sample_csv):
                           text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}, timeout=900)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     assert "60 rows" in proc.stdout
+
+
+def lose_a_part_and_resume(output: Path) -> tuple[set, dict]:
+    """Delete the output and the job's last committed part, resume, and return the ids of that
+    part and the resumed run's stats: resume must answer exactly those rows again."""
+    from llmbatch.jobs.store import JobDir
+
+    job = JobDir(Path(f"{output}.job"))
+    parts = job.part_files()
+    assert len(parts) >= 2, parts
+    lost = pq.read_table(parts[-1]).num_rows
+    parts[-1].unlink()
+    output.unlink()
+    run_cli("resume", str(job.root), "--quiet")
+    return lost, json.loads((job.root / "stats.json").read_text())
+
+
+def test_embed_example(ray_cluster, minilm, sample_csv, tmp_path):
+    import numpy as np
+
+    out = tmp_path / "emb.parquet"
+    run_cli("run", str(EXAMPLES / "embed.yaml"), "--quiet", "--set", f"input.path={sample_csv}",
+            "--set", "input.limit=12", "--set", f"output.path={out}")
+    table = pq.read_table(out)
+    assert table.column_names == ["Index", "Company", "embeddings"] and table.num_rows == 12
+    assert table.schema.field("embeddings").type.list_size == 384
+    vectors = np.array(table.column("embeddings").to_pylist())
+    assert np.allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-4)  # pooling_params.normalize
+
+
+def test_score_example_and_its_resume(ray_cluster, minilm, sample_csv, tmp_path):
+    import pyarrow.csv as pacsv
+
+    out = tmp_path / "matches.csv"
+    run_cli("run", str(EXAMPLES / "score.yaml"), "--quiet", "--set", f"input.path={sample_csv}",
+            "--set", "input.limit=12", "--set", f"output.path={out}", "--set", "commit_rows=4",
+            "--set", "model.batch_size=4")
+    first = pacsv.read_csv(out).to_pylist()
+    assert [set(r) for r in first] == [{"Index", "Company", "Website", "score"}] * 12
+    assert all(-1.0 <= r["score"] <= 1.0 for r in first)  # a bi-encoder's cosine
+    lost, stats = lose_a_part_and_resume(out)
+    assert stats["rows_this_run"] == lost
+    again = pacsv.read_csv(out).to_pylist()
+    assert sorted(r["Index"] for r in again) == list(range(1, 13))
+    by_index = {r["Index"]: r["score"] for r in first}
+    assert all(abs(r["score"] - by_index[r["Index"]]) < 1e-5 for r in again)
+
+
+def test_classify_example_and_its_resume(ray_cluster, test_models, tmp_path):
+    out = tmp_path / "labels.jsonl"
+    run_cli("run", str(EXAMPLES / "classify.yaml"), "--quiet", "--set", f"model.source={test_models['minilm-classifier']}",
+            "--set", f"output.path={out}", "--set", "commit_rows=4", "--set", "model.batch_size=4")
+    first = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert sorted(first) == list(range(1, 13))
+    for r in first.values():
+        assert set(r) == {"id", "review", "label", "probs"} and len(r["probs"]) == 3
+        assert abs(sum(r["probs"]) - 1) < 1e-4
+        assert r["label"] == ["negative", "neutral", "positive"][r["probs"].index(max(r["probs"]))]
+    lost, stats = lose_a_part_and_resume(out)
+    assert stats["rows_this_run"] == lost
+    again = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert sorted(again) == sorted(first) and all(again[i]["label"] == first[i]["label"] for i in first)

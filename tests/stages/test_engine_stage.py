@@ -216,7 +216,7 @@ def test_structured_output_check():
 
 
 def test_dedup_cache_is_bounded_by_bytes_and_keyed_by_digest():
-    from llmbatch.engines.vllm import request_digest
+    from llmbatch.engines.vllm_params import request_digest
     from llmbatch.stages.engine import result_size
 
     long_prompt = list(range(50_000))

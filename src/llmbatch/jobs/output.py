@@ -30,7 +30,10 @@ from llmbatch.errors import ConfigError
 from llmbatch.io.files import atomic_write_json, fsync_dir
 from llmbatch.io.readers import typed_text_column
 from llmbatch.io.writers import OutputWriter, unify_schema
+from llmbatch.io.openai_batch import FORMAT
 from llmbatch.jobs.meta import JobMeta
+from llmbatch.jobs.openai_batch import errors_path, is_openai_batch
+from llmbatch.jobs.openai_output import write_openai_output
 from llmbatch.jobs.spec import JobSpec
 from llmbatch.jobs.store import JobDir, error_record
 from llmbatch.jobs.tally import Tally
@@ -43,7 +46,8 @@ ROW_ID_COLUMN = "row_id"
 #: ``prompt``, ``generated_tokens``, ``request_id``, ``batch_uuid``, ``time_taken_llm``, are
 #: there for the asking).
 DEFAULT_ENGINE_COLUMNS = ("generated_text", "finish_reason", "num_input_tokens", "num_generated_tokens",
-                          "structured_output_error", "embeddings", "logprobs", "prompt_logprobs")
+                          "structured_output_error", "embeddings", "probs", "label", "score", "logprobs",
+                          "prompt_logprobs")
 #: Test hook: ``LLMBATCH_CRASH_AT=<step>`` SIGKILLs the process at that step of the swap.
 CRASH_ENV = "LLMBATCH_CRASH_AT"
 
@@ -130,6 +134,8 @@ def finish(job: JobDir, spec: JobSpec, meta: JobMeta, run_info: dict[str, Any], 
     parts_upto = job.part_index(parts[-1]) if parts else -1
     output_path, totals = write_output(job, spec, meta, state)
     stats = build_stats(job, meta, state.counts(), totals, run_info, progress, output_path, parts_upto)
+    if is_openai_batch(spec):
+        stats["openai_errors_file"] = errors_path(spec)
     atomic_write_json(job.stats_path, stats)
     meta.finalizing = None
     meta.finished = {"parts_upto": parts_upto, "at": time.time()}
@@ -151,6 +157,9 @@ def _error_id(row: dict[str, Any], spec: JobSpec, types: dict[str, str]) -> Any:
 
 def write_output(job: JobDir, spec: JobSpec, meta: JobMeta, state) -> tuple[str, Tally]:
     """Steps 1-3 of the swap (module docstring); returns the output path and the final counts."""
+    if spec.output.resolved_format() == FORMAT:
+        path, totals, _ = write_openai_output(job, spec, meta, state)
+        return path, totals
     parts = job.part_files()
     parts_upto = job.part_index(parts[-1]) if parts else -1
     columns, schemas = output_columns(job, spec, meta)

@@ -24,7 +24,9 @@ from llmbatch.codec import digest64
 from llmbatch.config import EndpointProcessorConfig
 from llmbatch.engines.openai_api import estimate_tokens
 from llmbatch.errors import ConfigError
+from llmbatch.io.openai_batch import read_openai_batch
 from llmbatch.io.readers import READ_ERROR, read_rows
+from llmbatch.jobs.openai_batch import batch_options, is_openai_batch
 from llmbatch.jobs.prompts import check_prompt_fields, job_preprocess
 from llmbatch.jobs.run import run_job
 from llmbatch.jobs.spec import PROCESSOR_CONFIGS, JobSpec, load_job
@@ -58,6 +60,7 @@ def plan_job(spec: JobSpec, *, throughput: float | None = None, calibrate_rows: 
         model_path = tokenizer = None
     max_len = _max_model_len(spec, model_path) if model_path else None
     build = _request_builder(spec)
+    generate = spec.resolved_task() == "generate"
     counts: list[np.ndarray] = []
     request_hashes: list[np.ndarray] = []
     block_hashes: list[np.ndarray] = []
@@ -65,7 +68,11 @@ def plan_job(spec: JobSpec, *, throughput: float | None = None, calibrate_rows: 
     estimated: list[int] = []
     rows = read_errors = bad_rows = 0
     checked_fields = False
-    for batch in read_rows(spec.input.path, spec.input.format, spec.input.columns, spec.input.limit, BATCH):
+    if is_openai_batch(spec):
+        batches = read_openai_batch(spec.input.path, batch_options(spec), spec.input.limit, BATCH)
+    else:
+        batches = read_rows(spec.input.path, spec.input.format, spec.input.columns, spec.input.limit, BATCH)
+    for batch in batches:
         if not checked_fields and spec.prompt is not None:
             check_prompt_fields(spec, [k for k in batch[0] if k != READ_ERROR])
             checked_fields = True
@@ -87,6 +94,8 @@ def plan_job(spec: JobSpec, *, throughput: float | None = None, calibrate_rows: 
                     messages = normalize_messages(req["messages"])
                     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
                     special = False
+                elif req.get("text_1") is not None:  # a scoring pair: both texts count
+                    text, special = f"{req['text_1']}\n{req['text_2']}", True
                 else:
                     text, special = str(req["prompt"]), True
                     if tokenizer is None:
@@ -94,11 +103,11 @@ def plan_job(spec: JobSpec, *, throughput: float | None = None, calibrate_rows: 
             except Exception:  # noqa: BLE001 - a row the job would turn into an error row
                 bad_rows += 1
                 continue
-            sp = req.get("sampling_params") or {}
+            sp = req.get("sampling_params" if generate else "pooling_params") or {}
             prompts.append(text)
             specials.append(special)
             req_keys.append(digest64(text + "\0" + json.dumps(sp, sort_keys=True, default=str)))
-            wants.append(int(sp.get("max_tokens") or DEFAULT_MAX_TOKENS))
+            wants.append(int(sp.get("max_tokens") or DEFAULT_MAX_TOKENS) if generate else 0)  # pooling: none
         if not prompts:
             continue
         if tokenizer is None:
@@ -135,7 +144,8 @@ def plan_job(spec: JobSpec, *, throughput: float | None = None, calibrate_rows: 
     shared_tokens = (all_blocks.size - np.unique(all_blocks).size) * BLOCK
     total_tokens = int(tokens.sum())
     answered = int(tokens.size)
-    over = int((tokens >= max_len).sum()) if max_len else 0
+    # a generated answer needs room after the prompt; a pooled text may fill the context
+    over = int(((tokens >= max_len) if generate else (tokens > max_len)).sum()) if max_len else 0
     no_room = int(((tokens + wants_all) > max_len).sum()) if max_len else 0
     plan: dict[str, Any] = {
         "input": spec.input.path,
@@ -151,6 +161,7 @@ def plan_job(spec: JobSpec, *, throughput: float | None = None, calibrate_rows: 
         },
         "max_model_len": max_len,
         "rows_over_max_model_len": over,
+        "task": spec.resolved_task(),
         "rows_where_max_tokens_does_not_fit": no_room,
         "duplicate_requests": answered - unique_requests,
         "unique_requests": unique_requests,

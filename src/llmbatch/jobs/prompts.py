@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import copy
+import json
 from typing import Any
 
 from llmbatch.errors import ConfigError, RowValidationError
+from llmbatch.jobs.openai_batch import OpenAIBatchPreprocess, is_openai_batch
 from llmbatch.jobs.spec import JobSpec, PromptSpec, load_function
 from llmbatch.rows import is_missing
 
@@ -27,10 +29,46 @@ def render(template: str, row: dict[str, Any]) -> str:
     return template.format_map(_RowFields(row))
 
 
+def _text(row: dict[str, Any], column: str, what: str) -> str:
+    value = row.get(column)
+    if is_missing(value) or not str(value).strip():
+        raise RowValidationError(f"column {column!r} ({what}) is empty in this row")
+    return str(value)
+
+
+class PoolingPreprocess:
+    """``row -> {prompt | text_1 + text_2, pooling_params}`` for embed, classify and score:
+    the text as is (a column, or a ``prompt.user`` template), or the pair of columns."""
+
+    def __init__(self, prompt: PromptSpec, pooling_params: dict[str, Any], task: str):
+        if prompt.system or prompt.messages_column or prompt.choices or prompt.json_schema or prompt.regex:
+            raise ConfigError(f"task {task!r} takes a text (prompt.text_column, prompt.prompt_column or a prompt.user "
+                              "template) or a pair (prompt.pair_columns), not chat messages or answer constraints")
+        if (task == "score") != (prompt.pair_columns is not None) and not prompt.user and not prompt.prompt_column:
+            raise ConfigError("task 'score' takes prompt.pair_columns: [first, second]; the other tasks take one text")
+        self.prompt = prompt
+        self.pooling_params = dict(pooling_params or {})
+
+    def __call__(self, row: dict[str, Any]) -> dict[str, Any]:
+        p = self.prompt
+        out: dict[str, Any] = {"pooling_params": dict(self.pooling_params)}
+        if p.pair_columns is not None:
+            out["text_1"] = _text(row, p.pair_columns[0], "the first text of the pair")
+            out["text_2"] = _text(row, p.pair_columns[1], "the second text of the pair")
+        elif p.user is not None:
+            out["prompt"] = render(p.user, row)
+        else:
+            out["prompt"] = _text(row, p.text_column or p.prompt_column, "the text")
+        return out
+
+
 class TemplatePreprocess:
     """``row -> {messages | prompt, sampling_params}`` from a job's prompt section."""
 
     def __init__(self, prompt: PromptSpec, sampling_params: dict[str, Any]):
+        if prompt.text_column is not None or prompt.pair_columns is not None:
+            raise ConfigError("prompt.text_column and prompt.pair_columns are for the pooling tasks (task: embed, "
+                              "classify or score); to generate from a column's text use prompt.prompt_column")
         self.prompt = prompt
         params = copy.deepcopy(sampling_params or {})
         constraint = None
@@ -48,18 +86,13 @@ class TemplatePreprocess:
         p = self.prompt
         out: dict[str, Any] = {"sampling_params": copy.deepcopy(self.sampling_params)}
         if p.prompt_column is not None:
-            value = row.get(p.prompt_column)
-            if is_missing(value) or not str(value).strip():
-                raise RowValidationError(f"column {p.prompt_column!r} (the prompt) is empty in this row")
-            out["prompt"] = str(value)
+            out["prompt"] = _text(row, p.prompt_column, "the prompt")
             return out
         if p.messages_column is not None:
             value = row.get(p.messages_column)
             if is_missing(value):
                 raise RowValidationError(f"column {p.messages_column!r} (the messages) is empty in this row")
             if isinstance(value, str):
-                import json
-
                 try:
                     value = json.loads(value)
                 except ValueError as exc:
@@ -75,25 +108,34 @@ class TemplatePreprocess:
 
 
 class WithDefaultParams:
-    """A user preprocess whose rows get the job's sampling_params as defaults."""
+    """A user preprocess whose rows get the job's sampling (or pooling) params as defaults."""
 
-    def __init__(self, fn, sampling_params: dict[str, Any]):
+    def __init__(self, fn, params: dict[str, Any], key: str = "sampling_params"):
         self.fn = fn
-        self.sampling_params = sampling_params
+        self.params = params
+        self.key = key
 
     def __call__(self, row: dict[str, Any]) -> dict[str, Any]:
         out = self.fn(row)
-        if isinstance(out, dict) and self.sampling_params:
-            out = {**out, "sampling_params": {**self.sampling_params, **(out.get("sampling_params") or {})}}
+        if isinstance(out, dict) and self.params:
+            out = {**out, self.key: {**self.params, **(out.get(self.key) or {})}}
         return out
 
 
 def job_preprocess(spec: JobSpec):
     """The preprocess a job's processor runs: its prompt templates, or its own function with
     the job's sampling_params as defaults."""
+    if is_openai_batch(spec):
+        return OpenAIBatchPreprocess(spec.sampling_params)
+    task = spec.resolved_task()
     if spec.prompt is not None:
+        if task != "generate":
+            return PoolingPreprocess(spec.prompt, spec.pooling_params, task)
         return TemplatePreprocess(spec.prompt, spec.sampling_params)
-    return WithDefaultParams(load_function(spec.preprocess, spec.python_path), spec.sampling_params)
+    fn = load_function(spec.preprocess, spec.python_path)
+    if task != "generate":
+        return WithDefaultParams(fn, spec.pooling_params, "pooling_params")
+    return WithDefaultParams(fn, spec.sampling_params)
 
 
 def check_prompt_fields(spec: JobSpec, columns: list[str]) -> None:

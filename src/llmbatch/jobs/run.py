@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from llmbatch.errors import JobError
+from llmbatch.errors import ConfigError, JobError
 from llmbatch.io.files import atomic_write_json
 from llmbatch.jobs.driver import execute
 from llmbatch.jobs.identity import (
@@ -26,6 +26,7 @@ from llmbatch.jobs.identity import (
 )
 from llmbatch.jobs.ingest import INGEST_ROWS, ingest
 from llmbatch.jobs.meta import JobMeta
+from llmbatch.jobs.openai_batch import check_batch_file, is_openai_batch
 from llmbatch.jobs.output import finish
 from llmbatch.jobs.prompts import check_prompt_fields
 from llmbatch.jobs.spec import JobSpec, load_job, redacted_spec
@@ -59,8 +60,8 @@ def open_job(job: JobDir, spec: JobSpec, *, force: bool = False, allow_config_ch
     there is this one; returns its metadata."""
     fields = result_fields(spec)
     numerics = numerics_fields(spec)
-    if job.exists() and force:
-        job.reset()
+    if job.exists() and (force or not _started(job)):
+        job.reset()  # (a job that never read its input, e.g. stopped at an invalid line, has nothing to keep)
     if not job.exists():
         meta = JobMeta(spec=redacted_spec(spec), result_fields=redact(fields), numerics_fields=redact(numerics),
                        config_hash=config_hash(fields))
@@ -100,10 +101,23 @@ def open_job(job: JobDir, spec: JobSpec, *, force: bool = False, allow_config_ch
     return meta
 
 
+def _started(job: JobDir) -> bool:
+    try:
+        return job.meta().ingested
+    except JobError:
+        return True
+
+
 def _ingest(job: JobDir, spec: JobSpec, meta: JobMeta) -> JobMeta:
     job.log(f"reading input {redact_text(spec.input.path)}")
     fingerprint = input_fingerprint(spec.input.path)
-    info = ingest(job, spec.input.path, spec.input.format, spec.input.columns, spec.input.limit, spec.input.id_column)
+    options = None
+    if is_openai_batch(spec):
+        options = check_batch_file(spec)  # with invalid_lines: fail, every bad line is listed before any work
+    info = ingest(job, spec.input.path, spec.input.format, spec.input.columns, spec.input.limit, spec.input.id_column,
+                  options)
+    if options is not None and not info["rows"]:
+        raise ConfigError(f"{spec.input.path} holds no requests")
     check_prompt_fields(spec, info["columns"])
     meta.ingested = True
     meta.rows, meta.columns, meta.column_types = info["rows"], info["columns"], info["column_types"]

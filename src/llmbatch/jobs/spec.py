@@ -21,7 +21,7 @@ import os
 import string
 import sys
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 import yaml
 from pydantic import ConfigDict, Field, PrivateAttr, field_validator, model_validator
@@ -37,6 +37,10 @@ from llmbatch.config import (
     vLLMEngineProcessorConfig,
 )
 from llmbatch.errors import ConfigError, did_you_mean
+from llmbatch.jobs.document import apply_overrides, merge, resolve_paths
+from llmbatch.jobs.openai_batch import apply_defaults as apply_openai_defaults
+from llmbatch.jobs.openai_batch import check_spec as check_openai_batch
+from llmbatch.jobs.openai_batch import is_openai_batch
 from llmbatch.redact import expand_env, redact
 from llmbatch.rows import SAMPLING_PARAM_NAMES
 
@@ -56,10 +60,12 @@ class InputSpec(_Config):
     """Where the rows come from."""
 
     path: str = Field(..., description="Local path, http(s):// URL, or s3:// / gs:// (with the s3/gcs extra).")
-    format: Optional[Literal["csv", "jsonl", "json", "parquet", "hf"]] = Field(None, description="Input format; inferred from the path when omitted. 'hf' is a Hugging Face dataset saved with save_to_disk.")
+    format: Optional[Literal["csv", "jsonl", "json", "parquet", "hf", "openai-batch"]] = Field(None, description="Input format; inferred from the path when omitted. 'hf' is a Hugging Face dataset saved with save_to_disk; 'openai-batch' an OpenAI Batch API file (one request per line: custom_id, method, url, body), which needs no prompt.")
     limit: Optional[int] = Field(None, ge=1, description="Read only the first N rows.")
     columns: Optional[list[str]] = Field(None, description="Read only these columns.")
     id_column: Optional[str] = Field(None, description="Column with a unique id per row. Without it, the row's position in the input is its id.")
+    invalid_lines: Literal["fail", "error"] = Field("fail", description="openai-batch: 'fail' lists every invalid line (duplicate custom_id, bad method or url, a body the endpoint does not accept, another model) with its number and runs nothing; 'error' writes them to the error file, as OpenAI does, and answers the rest.")
+    endpoint: Optional[str] = Field(None, description="openai-batch: every line's url must be this endpoint (as an OpenAI batch's endpoint).")
     column_types: Optional[dict[str, Literal["string", "int64", "float64", "bool", "date32"]]] = Field(None, description="CSV only: the output type of these columns, e.g. {Zip: string} to keep leading zeros. Others are inferred as Arrow's CSV reader does (int64, float64, bool, date32, else string); prompts always show the cell text as written.")
 
 
@@ -69,6 +75,7 @@ class ModelSpec(_Config):
     model_config = ConfigDict(extra="allow", validate_assignment=True)
 
     source: str = Field(..., description="model_source: an offline alias, folder, hub id, s3:// folder or .gguf file. For an endpoint (processor: http or serve): the model name sent with each request.")
+    served_model_name: Optional[Union[str, list[str]]] = Field(None, description="openai-batch: the names a request's model may use besides the source (as vLLM's --served-model-name); the first is the name answers carry.")
     processor: str = Field("vLLMEngineProcessorConfig", description="Which processor config: vLLMEngineProcessorConfig (default, 'vllm'), SGLangEngineProcessorConfig ('sglang'), HttpRequestProcessorConfig ('http': an OpenAI-compatible endpoint, with url, api_key_env...) or ServeDeploymentProcessorConfig ('serve': a Ray Serve deployment).")
 
     @model_validator(mode="before")
@@ -97,15 +104,19 @@ class PromptSpec(_Config):
     user: Optional[str] = Field(None, description="User message template, e.g. 'What industry is {Company} in?'. Use {{ and }} for literal braces.")
     messages_column: Optional[str] = Field(None, description="A column that already holds OpenAI chat messages.")
     prompt_column: Optional[str] = Field(None, description="A column holding raw prompt text (skips the chat template).")
+    text_column: Optional[str] = Field(None, description="Pooling tasks (embed, classify): the column whose text is embedded or classified, as is.")
+    pair_columns: Optional[list[str]] = Field(None, min_length=2, max_length=2, description="task score: the two columns whose texts are scored against each other, e.g. [query, passage].")
     choices: Optional[list[str]] = Field(None, description="Constrain the answer to one of these strings.")
     json_schema: Optional[Any] = Field(None, description="Constrain the answer to JSON matching this schema.")
     regex: Optional[str] = Field(None, description="Constrain the answer to this regular expression.")
 
     @model_validator(mode="after")
     def _one_source(self) -> "PromptSpec":
-        sources = [self.user is not None, self.messages_column is not None, self.prompt_column is not None]
+        sources = [self.user is not None, self.messages_column is not None, self.prompt_column is not None,
+                   self.text_column is not None, self.pair_columns is not None]
         if sum(sources) != 1:
-            raise ValueError("give exactly one of prompt.user, prompt.messages_column or prompt.prompt_column")
+            raise ValueError("give exactly one of prompt.user, prompt.messages_column, prompt.prompt_column, "
+                             "prompt.text_column or prompt.pair_columns")
         constraints = [self.choices is not None, self.json_schema is not None, self.regex is not None]
         if sum(constraints) > 1:
             raise ValueError("give at most one of prompt.choices, prompt.json_schema or prompt.regex")
@@ -124,7 +135,8 @@ class PromptSpec(_Config):
         for template in (self.system, self.user):
             if template:
                 names.extend(template_fields(template))
-        names.extend(c for c in (self.messages_column, self.prompt_column) if c)
+        names.extend(c for c in (self.messages_column, self.prompt_column, self.text_column) if c)
+        names.extend(self.pair_columns or [])
         return list(dict.fromkeys(names))
 
 
@@ -132,13 +144,14 @@ class OutputSpec(_Config):
     """Where the answers go."""
 
     path: str = Field(..., description="Output file (local or fsspec URL).")
-    format: Optional[Literal["parquet", "jsonl", "csv"]] = Field(None, description="Output format; inferred from the path when omitted.")
+    format: Optional[Literal["parquet", "jsonl", "csv", "openai-batch"]] = Field(None, description="Output format; inferred from the path when omitted ('openai-batch' for an openai-batch input: OpenAI's output lines, and an error file).")
+    errors_path: Optional[str] = Field(None, description="openai-batch output: the error file (default: beside the output, '<output>.errors.jsonl').")
     columns: Optional[list[str]] = Field(None, description="Keep only these columns (after rename). Default: input columns, then generated_text and the other engine columns.")
     rename: Optional[dict[str, str]] = Field(None, description="Rename output columns, e.g. {generated_text: industry}.")
 
     def resolved_format(self) -> str:
         if self.format:
-            return self.format
+            return self.format  # openai-batch: set from the input format (jobs.openai_batch.check_spec)
         lower = self.path.lower()
         for fmt, suffixes in (("parquet", (".parquet", ".pq")), ("jsonl", (".jsonl", ".ndjson", ".json")), ("csv", (".csv",))):
             if lower.endswith(suffixes):
@@ -154,7 +167,9 @@ class JobSpec(_Config):
     prompt: Optional[PromptSpec] = Field(None, description="Templates over row fields; or use preprocess.")
     preprocess: Optional[str] = Field(None, description="'module:function' that turns a row into the request (messages/prompt, sampling_params).")
     postprocess: Optional[str] = Field(None, description="'module:function' that turns an answered row into the output row.")
+    task: Optional[Literal["generate", "embed", "classify", "score"]] = Field(None, description="What the model does: generate text (default), embed texts, classify them, or score pairs (the processor's task_type).")
     sampling_params: dict[str, Any] = Field(default_factory=dict, description="vLLM sampling params for every row (temperature, max_tokens, ...).")
+    pooling_params: dict[str, Any] = Field(default_factory=dict, description="Pooling tasks: params for every row (dimensions, normalize / use_activation, truncate_prompt_tokens).")
     output: OutputSpec
     job_dir: Optional[str] = Field(None, description="Job directory (default: next to the output, '<output>.job').")
     python_path: list[str] = Field(default_factory=list, description="Folders to import preprocess/postprocess modules from (the job file's folder is added).")
@@ -189,9 +204,13 @@ class JobSpec(_Config):
                     raise ValueError(f"sampling_params.{key}={value[key]!r} is out of range")
         return value
 
+    def resolved_task(self) -> str:
+        """The task the job runs (``task``, else the model section's ``task_type``)."""
+        return self.task or self.model.processor_fields().get("task_type") or "generate"
+
     @model_validator(mode="after")
     def _request_source(self) -> "JobSpec":
-        if self.prompt is None and self.preprocess is None:
+        if self.prompt is None and self.preprocess is None and not is_openai_batch(self):
             raise ValueError("give a prompt (prompt.user / messages_column / prompt_column) or a preprocess function")
         if self.prompt is not None and self.preprocess is not None:
             raise ValueError("give either prompt or preprocess, not both")
@@ -199,6 +218,7 @@ class JobSpec(_Config):
             value = getattr(self, name)
             if value is not None and ":" not in value:
                 raise ValueError(f"{name} must look like 'module:function', got {value!r}")
+        check_openai_batch(self)
         return self
 
     def resolved_job_dir(self) -> str:
@@ -209,6 +229,13 @@ class JobSpec(_Config):
         cls = PROCESSOR_CONFIGS[self.model.processor]
         fields = self.model.processor_fields()
         fields["should_continue_on_error"] = self.continue_on_error
+        if issubclass(cls, EndpointProcessorConfig) and self.task not in (None, "generate"):
+            raise ConfigError(f"task: {self.task!r} runs on the in-process engine only; an endpoint "
+                              f"(processor: {self.model.processor}) generates text: drop task or the endpoint")
+        if self.task is not None and not issubclass(cls, EndpointProcessorConfig):
+            if fields.get("task_type", self.task) != self.task:
+                raise ConfigError(f"task: {self.task!r} and model.task_type: {fields['task_type']!r} disagree; keep one")
+            fields["task_type"] = self.task
         if issubclass(cls, EndpointProcessorConfig):
             fields.setdefault("model", self.model.source)  # the model name the endpoint serves
         else:
@@ -252,57 +279,6 @@ def load_function(ref: str, python_path: list[str] | None = None):
     return fn
 
 
-def _parse_override(item: str) -> tuple[list[str], Any]:
-    if "=" not in item:
-        raise ConfigError(f"--set takes key.path=value, got {item!r}")
-    key, _, raw = item.partition("=")
-    return key.strip().split("."), yaml.safe_load(raw) if raw.strip() else ""
-
-
-def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply ``a.b=value`` overrides (values parsed as YAML) to a job dict."""
-    for item in overrides or []:
-        path, value = _parse_override(item)
-        node = data
-        for part in path[:-1]:
-            child = node.get(part)
-            if child is None:
-                child = node[part] = {}
-            if not isinstance(child, dict):
-                raise ConfigError(f"--set {item!r}: {part!r} is not a section")
-            node = child
-        node[path[-1]] = value
-    return data
-
-
-def _relative_to(base: Path, value: str | None) -> str | None:
-    if value is None or "://" in value or os.path.isabs(value) or value.startswith("${"):
-        return value
-    return str((base / value).resolve()) if not value.startswith("~") else os.path.expanduser(value)
-
-
-def resolve_paths(data: dict[str, Any], base: Path, job_file_folder: bool = True) -> dict[str, Any]:
-    """Make the job's relative paths relative to ``base`` (the job file's folder, which is
-    also where preprocess/postprocess modules are imported from; a job given as data only,
-    e.g. resumed from its directory, adds no folder of its own)."""
-    if isinstance(data.get("input"), dict):
-        data["input"]["path"] = _relative_to(base, data["input"].get("path"))
-    if isinstance(data.get("output"), dict):
-        data["output"]["path"] = _relative_to(base, data["output"].get("path"))
-    if data.get("job_dir"):
-        data["job_dir"] = _relative_to(base, data["job_dir"])
-    if data.get("preprocess") or data.get("postprocess"):
-        paths = [_relative_to(base, p) for p in data.get("python_path") or []]
-        data["python_path"] = list(dict.fromkeys(paths + ([str(base)] if job_file_folder else [])))
-    model = data.get("model")
-    if isinstance(model, dict):
-        src = model.get("source", model.get("model_source"))
-        if isinstance(src, str) and src.startswith(("./", "../")):
-            model["source"] = _relative_to(base, src)
-            model.pop("model_source", None)
-    return data
-
-
 def load_job(path: str | os.PathLike | None = None, overrides: list[str] | None = None,
              data: dict[str, Any] | None = None) -> JobSpec:
     """Read a job file (and/or a dict), apply overrides, validate."""
@@ -320,9 +296,9 @@ def load_job(path: str | os.PathLike | None = None, overrides: list[str] | None 
             raise ConfigError(f"job file {str(p)!r} must be a mapping of sections (input, model, prompt, output)")
         base = p.resolve().parent
     if data:
-        doc = _merge(doc, data)
+        doc = merge(doc, data)
     doc = apply_overrides(doc, overrides or [])
-    doc = resolve_paths(doc, base, job_file_folder=path is not None)
+    doc = apply_openai_defaults(resolve_paths(doc, base, job_file_folder=path is not None))
     raw = copy.deepcopy(doc)
     spec = JobSpec(**expand_env(doc))
     spec._raw = raw
@@ -336,11 +312,3 @@ def redacted_spec(spec: JobSpec) -> dict[str, Any]:
     return redact(json.loads(json.dumps(data, default=str)))
 
 
-def _merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
-    out = dict(a)
-    for key, value in b.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _merge(out[key], value)
-        elif value is not None:
-            out[key] = value
-    return out

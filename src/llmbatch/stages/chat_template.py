@@ -14,7 +14,8 @@ class ChatTemplateStage(Stage):
     ``prompt`` and no ``messages`` pass through (their prompt is used as is)."""
 
     name = "chat_template"
-    required_any = (("messages", "prompt"),)
+    # a scoring pair (text_1/text_2, query/document) passes through: it has no chat
+    required_any = (("messages", "prompt", "text_1", "query"),)
 
     def __init__(self, model_source: str, chat_template: str | None = None,
                  chat_template_kwargs: dict[str, Any] | None = None, trust_remote_code: bool = False):

@@ -200,7 +200,7 @@ class EngineStage(Stage):
         row["batch_uuid"] = batch_uuid
         row[ERROR_COLUMN] = ""
         row[STATS] = {"replica": self.replica, "cached_tokens": cached, "deduped": copied, "ready_at": self.ready_at,
-                      "restarts": self._generation}
+                      "restarts": self._generation, "finished_at": time.time()}
         for key in ("sampling_params", "pooling_params", "tokenized_prompt"):
             row.pop(key, None)
         return row

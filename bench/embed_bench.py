@@ -1,0 +1,243 @@
+"""Embeddings throughput: llmbatch against plain ``vllm.LLM.embed``, same model and settings.
+
+    python bench/embed_bench.py                      # 5,000 texts, 3 interleaved repeats
+    python bench/embed_bench.py --rows 5000 --repeats 5 --systems vllm,llmbatch,llmbatch-job
+
+Every run is a fresh process that reads the same seeded texts, embeds them and writes
+``id, embeddings`` to a Parquet file. The systems run interleaved (vllm, llmbatch, vllm,
+llmbatch, ...), so a slow minute on a shared machine hits both. Two windows per run:
+
+- **wall**: from the moment the parent starts the process to the moment the child has closed
+  its Parquet file (what a user waits for; Python, Ray and engine start-up included);
+- **steady**: from the moment the engine was ready (plain vLLM: ``LLM(...)`` returned;
+  llmbatch: the replica's ``ready_at``) to the file closed (not shown for ``llmbatch-job``).
+
+Systems: ``vllm`` = ``LLM(model, runner="pooling", convert="embed").embed(texts)`` in one
+process; ``llmbatch`` = the processor API (``task_type="embed"``) on a Ray Dataset, written
+with ``write_parquet``; ``llmbatch-job`` = ``llmbatch run --task embed`` (job directory,
+commits and the output file included). The answers are compared too: the smallest cosine
+between a system's embedding of a text and plain vLLM's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+WORDS = ("data engine batch model token river city market cloud shipping retail bank clinic school farm "
+         "energy software hardware logistics travel insurance media games robot sensor invoice order customer "
+         "review support delivery payment account quarterly growth risk audit contract supplier fleet").split()
+
+
+def texts(n: int, seed: int = 0) -> list[str]:
+    """Seeded sentences of 5 to 60 words (MiniLM's inputs in practice: titles to paragraphs)."""
+    rng = random.Random(seed)
+    return [f"{i}: " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 60))) + "." for i in range(n)]
+
+
+def engine_kwargs(args) -> dict:
+    kw = {"max_model_len": args.max_model_len}
+    if args.device == "cpu":
+        kw["enforce_eager"] = True
+    return kw
+
+
+# -- the systems (run in the child process) -------------------------------------------------------
+
+
+def write(path: Path, ids: list[int], vectors: list[list[float]]) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    vec = pa.FixedSizeListArray.from_arrays(pa.array([x for v in vectors for x in v], pa.float32()), len(vectors[0]))
+    pq.write_table(pa.table({"id": pa.array(ids, pa.int64()), "embeddings": vec}), path)
+
+
+def run_vllm(data: list[str], model: str, args, out: Path) -> dict:
+    from vllm import LLM
+
+    llm = LLM(model, runner="pooling", convert="embed", **engine_kwargs(args))
+    ready = time.time()
+    outs = llm.embed(data, use_tqdm=False)
+    write(out, list(range(len(data))), [o.outputs.embedding for o in outs])
+    done = time.time()
+    llm.llm_engine.engine_core.shutdown()
+    return {"ready_at": ready, "done_at": done, "rows": len(outs)}
+
+
+def run_llmbatch(data: list[str], model: str, args, out: Path) -> dict:
+    import pyarrow.parquet as pq
+    import ray
+
+    from llmbatch import build_processor, vLLMEngineProcessorConfig
+    from llmbatch.rows import STATS
+
+    ray.init(include_dashboard=False, logging_level="WARNING")
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    config = vLLMEngineProcessorConfig(model_source=model, task_type="embed", engine_kwargs=engine_kwargs(args),
+                                       batch_size=args.batch_size)
+    processor = build_processor(config, preprocess=lambda r: {"prompt": r["text"]}, keep_private=(STATS,))
+    ds = ray.data.from_items([{"id": i, "text": t} for i, t in enumerate(data)])
+    folder = out.with_suffix(".d")
+    processor(ds).write_parquet(str(folder))
+    done = time.time()
+    table = pq.read_table(folder, columns=["id", STATS])
+    ready = min(s["ready_at"] for s in table.column(STATS).to_pylist())
+    ray.shutdown()
+    return {"ready_at": ready, "done_at": done, "rows": table.num_rows, "folder": str(folder)}
+
+
+def run_llmbatch_job(data: list[str], model: str, args, out: Path) -> dict:
+    inp = out.with_name("in.jsonl")
+    stats_dir = out.with_name("job")
+    cmd = [sys.executable, "-m", "llmbatch", "run", "--task", "embed", "--input", str(inp), "--text-column", "text",
+           "--model", model, "--output", str(out), "--job-dir", str(stats_dir), "--quiet",
+           "--set", f"model.batch_size={args.batch_size}"]
+    for key, value in engine_kwargs(args).items():
+        cmd += ["--set", f"model.engine_kwargs.{key}={json.dumps(value)}"]
+    subprocess.run(cmd, check=True)
+    done = time.time()
+    stats = json.loads((stats_dir / "stats.json").read_text())
+    # no steady window: the job records its engine's ready time only as a duration to its end
+    return {"ready_at": None, "done_at": done, "rows": stats["rows_ok"]}
+
+
+SYSTEMS = {"vllm": run_vllm, "llmbatch": run_llmbatch, "llmbatch-job": run_llmbatch_job}
+
+
+def child(args) -> None:
+    from llmbatch.models import resolve_model
+
+    data = texts(args.rows)
+    out = Path(args.out)
+    if args.system == "llmbatch-job":
+        with open(out.with_name("in.jsonl"), "w") as fh:
+            fh.writelines(json.dumps({"id": i, "text": t}) + "\n" for i, t in enumerate(data))
+    result = SYSTEMS[args.system](data, resolve_model(args.model), args, out)
+    out.with_suffix(".json").write_text(json.dumps(result))
+    os._exit(0)
+
+
+# -- the parent: interleaved repeats ------------------------------------------------------------
+
+
+def run_one(system: str, args, folder: Path) -> dict:
+    out = folder / f"{system}.parquet"
+    cmd = [sys.executable, __file__, "--child", "--system", system, "--rows", str(args.rows), "--model", args.model,
+           "--device", args.device, "--max-model-len", str(args.max_model_len), "--batch-size", str(args.batch_size),
+           "--out", str(out)]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAY_USAGE_STATS_ENABLED": "0"}
+    env.pop("RAY_ADDRESS", None)
+    started = time.time()
+    with open(folder / f"{system}.log", "w") as fh:
+        proc = subprocess.run(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, timeout=args.timeout,
+                              start_new_session=True)
+    if proc.returncode != 0 or not out.with_suffix(".json").exists():
+        return {"system": system, "error": f"exit {proc.returncode}, log {folder / (system + '.log')}"}
+    r = json.loads(out.with_suffix(".json").read_text())
+    r.update(system=system, started_at=started, wall_s=r["done_at"] - started,
+             steady_s=(r["done_at"] - r["ready_at"]) if r.get("ready_at") else None)
+    return r
+
+
+def vectors(result: dict, folder: Path):
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    path = result.get("folder") or str(folder / f"{result['system']}.parquet")
+    table = pq.read_table(path).sort_by("id")
+    return np.asarray(table.column("embeddings").to_pylist(), dtype=np.float64)
+
+
+def min_cosine(a, b) -> float:
+    import numpy as np
+
+    a = a / np.linalg.norm(a, axis=1, keepdims=True)
+    b = b / np.linalg.norm(b, axis=1, keepdims=True)
+    return float((a * b).sum(axis=1).min())
+
+
+def summary(runs: list[dict], key: str) -> dict:
+    values = [r[key] for r in runs if r.get(key) is not None]
+    if not values:
+        return {}
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--systems", default="vllm,llmbatch")
+    p.add_argument("--rows", type=int, default=5000)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--model", default="all-minilm-l6-v2")
+    p.add_argument("--device", choices=["cpu", "gpu"], default="cpu")
+    p.add_argument("--max-model-len", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--timeout", type=int, default=1800)
+    p.add_argument("--json", default=str(HERE / "embed-results" / "embed.json"))
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--system", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        return child(args)
+    systems = args.systems.split(",")
+    runs: list[dict] = []
+    agree: dict[str, float] = {}
+    for rep in range(args.repeats):
+        for system in systems if rep % 2 == 0 else systems[::-1]:  # interleaved, alternating order
+            folder = Path(tempfile.mkdtemp(prefix=f"llmbatch-embed-{system}-"))
+            r = run_one(system, args, folder)
+            r["repeat"] = rep
+            runs.append(r)
+            if "error" not in r:
+                r["rows_s_wall"] = r["rows"] / r["wall_s"]
+                r["rows_s_steady"] = r["rows"] / r["steady_s"] if r.get("steady_s") else None
+                if rep == 0 and system != "llmbatch-job":
+                    r["_vectors"] = vectors(r, folder)
+            print(json.dumps({k: v for k, v in r.items() if not k.startswith("_")}), flush=True)
+    first = {r["system"]: r.get("_vectors") for r in runs if r["repeat"] == 0}
+    if first.get("vllm") is not None:
+        for system, vec in first.items():
+            if system != "vllm" and vec is not None:
+                agree[system] = min_cosine(vec, first["vllm"])
+    table = {s: {"wall_s": summary([r for r in runs if r["system"] == s], "wall_s"),
+                 "steady_s": summary([r for r in runs if r["system"] == s], "steady_s"),
+                 "rows_s_wall": summary([r for r in runs if r["system"] == s], "rows_s_wall"),
+                 "rows_s_steady": summary([r for r in runs if r["system"] == s], "rows_s_steady")} for s in systems}
+    ratios = {}
+    if "vllm" in systems:
+        for s in systems:
+            if s != "vllm" and table[s]["rows_s_wall"] and table["vllm"]["rows_s_wall"]:
+                ratios[s] = {"wall": table[s]["rows_s_wall"]["median"] / table["vllm"]["rows_s_wall"]["median"],
+                             "steady": (table[s]["rows_s_steady"]["median"] / table["vllm"]["rows_s_steady"]["median"]
+                                        if table[s]["rows_s_steady"] else None)}
+    report = {"rows": args.rows, "model": args.model, "device": args.device, "engine_kwargs": engine_kwargs(args),
+              "batch_size": args.batch_size, "runs": [{k: v for k, v in r.items() if not k.startswith("_")} for r in runs],
+              "summary": table, "ratios_vs_vllm": ratios, "min_cosine_vs_vllm": agree}
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(report, indent=1))
+    print("\n| system | wall s (median, min-max) | rows/s wall | steady s (median, min-max) | rows/s steady |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    for s in systems:
+        w, st = table[s]["wall_s"], table[s]["steady_s"]
+        if not w:
+            print(f"| {s} | failed | | | |")
+            continue
+        print(f"| {s} | {w['median']:.1f} ({w['min']:.1f}-{w['max']:.1f}) | {table[s]['rows_s_wall']['median']:.0f} | "
+              + (f"{st['median']:.1f} ({st['min']:.1f}-{st['max']:.1f}) | {table[s]['rows_s_steady']['median']:.0f} |"
+                 if st else "| |"))
+    print("ratios vs vllm (median rows/s):", json.dumps(ratios), " min cosine vs vllm:", json.dumps(agree))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""``llmbatch serve``: check the settings, open the database and the file store, and listen.
+
+Needs the ``serve`` extra (FastAPI, uvicorn, SQLAlchemy, Alembic): the CLI imports this
+module only for ``serve``, and says what to install when it cannot.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+
+from llmbatch.errors import ConfigError
+from llmbatch.io.openai_batch import Options
+from llmbatch.io.openai_requests import ENDPOINTS
+from llmbatch.jobs.openai_batch import served_names
+from llmbatch.jobs.spec import apply_overrides, load_job
+from llmbatch.server.app import create_app
+from llmbatch.server.db import Database
+from llmbatch.server.runner import BatchRunner
+from llmbatch.server.settings import ServerSettings, check
+from llmbatch.server.storage import FileStore
+
+logger = logging.getLogger("llmbatch.server")
+
+
+def job_template(settings: ServerSettings) -> dict[str, Any]:
+    """The job fields every batch gets: the model (``--model``, ``--served-model-name``) and
+    ``--set`` overrides (``model.engine_kwargs.max_model_len=4096``, ``commit_rows=500``...)."""
+    doc: dict[str, Any] = {"model": {"source": settings.model}}
+    if settings.served_model_name:
+        doc["model"]["served_model_name"] = list(settings.served_model_name)
+    doc = apply_overrides(doc, settings.overrides)
+    for key in ("input", "output", "job_dir", "prompt", "preprocess", "postprocess"):
+        if key in doc:
+            raise ConfigError(f"--set {key}... is decided per batch by the server; set model, sampling_params, "
+                              "commit_rows or commit_seconds")
+    return doc
+
+
+def probe(settings: ServerSettings, template: dict[str, Any]) -> tuple[list[str], Options]:
+    """Check the batch job the server would run (model, overrides) before listening; returns
+    the endpoints the model serves and what batch files are checked against."""
+    doc = copy.deepcopy(template)
+    probe_file = settings.data_dir / "probe.jsonl"
+    doc.update(input={"path": str(probe_file), "format": "openai-batch"}, output={"path": str(probe_file) + ".out"})
+    spec = load_job(data=doc)
+    task = spec.processor_config().task_type
+    endpoints = [url for url, kind in ENDPOINTS.items() if kind == task]
+    if not endpoints:
+        raise ConfigError(f"the model's task_type {task!r} serves no batch endpoint yet (scoring and rerank are not "
+                          "supported yet); use a generate or embed model")
+    return endpoints, Options(models=served_names(spec), task_type=task)
+
+
+def serve(settings: ServerSettings, log_level: str = "info") -> None:
+    """Run the server until Ctrl-C / SIGTERM (running batches stop and resume at the next start)."""
+    check(settings)
+    settings.data_dir = Path(settings.data_dir).resolve()
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    template = job_template(settings)
+    endpoints, options = probe(settings, template)
+    db = Database(settings.db_url)
+    store = FileStore(settings.files_root)
+    runner = BatchRunner(settings, db, store, template, options)
+    app = create_app(settings, db, store, runner, endpoints, options.models or [])
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logger.info("serving %s (%s) on %s:%s; data in %s; auth %s", options.models[0] if options.models else "?",
+                ", ".join(endpoints), settings.host, settings.port, settings.data_dir,
+                "off (loopback only)" if settings.no_auth else f"on ({len(settings.api_keys)} key(s))")
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=log_level, access_log=True)
+    db.close()

