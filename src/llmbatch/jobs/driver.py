@@ -216,6 +216,7 @@ def execute(job_dir: JobDir, spec: JobSpec, meta: JobMeta, todo: np.ndarray, don
     """Run passes until every row is committed (or recorded as lost); translate failures."""
     # worker output (engine start-up chatter) goes to Ray's log files, not the terminal
     ensure_ray(log_to_driver=False)
+    progress.marks.setdefault("ray_ready", time.time())
     with quiet_ray_data():
         for attempt in range(MAX_PASSES):
             if attempt:

@@ -64,6 +64,7 @@ class EngineStage(Stage):
         self.flush_rows = flush_rows
         self.flush_seconds = flush_seconds
         self.replica = ""
+        self.start_at = 0.0  # when this replica began to start its engine
         self.ready_at = 0.0
         self._semaphore: asyncio.Semaphore | None = None
         self._inflight: dict[Any, asyncio.Future] = {}
@@ -84,6 +85,7 @@ class EngineStage(Stage):
 
     async def start(self) -> None:
         self.replica = f"{os.uname().nodename}:{os.getpid()}"  # the worker's, not the driver's
+        self.start_at = time.time()
         await self.engine.start()
         limit = self.max_pending_requests
         if limit is None:
@@ -199,7 +201,7 @@ class EngineStage(Stage):
         row.update(result)
         row["batch_uuid"] = batch_uuid
         row[ERROR_COLUMN] = ""
-        row[STATS] = {"replica": self.replica, "cached_tokens": cached, "deduped": copied, "ready_at": self.ready_at,
+        row[STATS] = {"replica": self.replica, "cached_tokens": cached, "deduped": copied, "start_at": self.start_at, "ready_at": self.ready_at,
                       "restarts": self._generation, "finished_at": time.time()}
         for key in ("sampling_params", "pooling_params", "tokenized_prompt"):
             row.pop(key, None)
