@@ -196,3 +196,40 @@ def test_sigkill_and_resume_keep_every_id_exactly_once(ray_cluster, server, tmp_
     assert [(r["mode"], r["state"]) for r in runs] == [("resume", "finished")]
     assert_no_secret(job_dir)
     os.environ.pop("LLMBATCH_FAKE_KEY", None)
+
+
+@pytest.fixture(scope="module")
+def slow_server(tmp_path_factory):
+    """A plain server (no faults, no limits) that answers each request after 1 s."""
+    work = tmp_path_factory.mktemp("slow-openai")
+    port_file = work / "port"
+    log = open(work / "server.log", "wb")
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("fake_openai.py")), "--port-file",
+                             str(port_file), "--latency", "1.0"], stdout=log, stderr=log)
+    wait_for(port_file.exists, 30, "the slow server's port")
+    yield f"http://127.0.0.1:{port_file.read_text()}"
+    proc.kill()
+    proc.wait()
+
+
+def test_a_one_block_input_fills_the_worker_with_batches_side_by_side(ray_cluster, slow_server):
+    """Ray hands a small input over in one block; the processor re-blocks it so that one worker
+    works on many batches at once (one block of 96 rows with batch_size 8 would otherwise be one
+    task: 8 requests at a time)."""
+    import ray
+
+    from llmbatch import HttpRequestProcessorConfig, build_processor
+
+    config = HttpRequestProcessorConfig(url=f"{slow_server}/v1/chat/completions", batch_size=8, concurrency=1,
+                                        max_concurrent_requests=64)
+    processor = build_processor(
+        config,
+        preprocess=lambda row: dict(payload=dict(model="m", messages=[{"role": "user", "content": f"row {row['i']}"}],
+                                                 max_tokens=4)),
+        postprocess=lambda row: dict(i=row["i"], answer=row["http_response"]["choices"][0]["message"]["content"]))
+    ds = ray.data.from_items([{"i": i} for i in range(96)], override_num_blocks=1)
+    assert ds.materialize().num_blocks() == 1
+    rows = processor(ds).take_all()
+    assert sorted(r["i"] for r in rows) == list(range(96))
+    assert all(r["answer"] == f"answer to row {r['i']}" for r in rows)
+    assert stats(slow_server)["max_in_flight"] >= 32, stats(slow_server)
