@@ -252,6 +252,8 @@ def build_stats(job: JobDir, meta: JobMeta, counts: dict[str, int], totals: Tall
         "steady_rows_per_s": rate(this_rows, steady),
         "steady_generated_tokens_per_s": rate(run_info.get("generated_tokens", 0), steady),
         "phases_s": startup_phases(run_info, totals),
+        # this run's first request handed to an engine (epoch seconds): where the engines' window starts
+        "first_request_at": min((t for t in totals.first_request_at if t >= run_info["started_at"]), default=None),
         "runs": meta.runs,
         "finished_at": time.time(),
         "last_progress": progress.snapshot(),

@@ -66,6 +66,7 @@ class EngineStage(Stage):
         self.replica = ""
         self.start_at = 0.0  # when this replica began to start its engine
         self.ready_at = 0.0
+        self.first_request_at = 0.0  # when this replica handed its engine its first request
         self._semaphore: asyncio.Semaphore | None = None
         self._inflight: dict[Any, asyncio.Future] = {}
         self._results: collections.OrderedDict[Any, tuple[dict[str, Any], int]] = collections.OrderedDict()
@@ -119,6 +120,8 @@ class EngineStage(Stage):
             return await self._counted(request)
 
     async def _counted(self, request: Request) -> dict[str, Any]:
+        if not self.first_request_at:
+            self.first_request_at = time.time()
         self.in_flight += 1
         try:
             return await self.engine.run(request)
@@ -201,7 +204,8 @@ class EngineStage(Stage):
         row.update(result)
         row["batch_uuid"] = batch_uuid
         row[ERROR_COLUMN] = ""
-        row[STATS] = {"replica": self.replica, "cached_tokens": cached, "deduped": copied, "start_at": self.start_at, "ready_at": self.ready_at,
+        row[STATS] = {"replica": self.replica, "cached_tokens": cached, "deduped": copied, "start_at": self.start_at,
+                      "ready_at": self.ready_at, "first_request_at": self.first_request_at,
                       "restarts": self._generation, "finished_at": time.time()}
         for key in ("sampling_params", "pooling_params", "tokenized_prompt"):
             row.pop(key, None)
