@@ -14,6 +14,7 @@ Two forms, one module:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -171,10 +172,25 @@ def _is_local(name: str, module: Any) -> bool:
     origin = getattr(module, "__file__", None) or ""
     if not origin or "site-packages" in origin or "dist-packages" in origin:
         return False
-    return not origin.startswith(_STDLIB)
+    if origin.startswith(_STDLIB):
+        return False
+    # installed elsewhere (pip install --target, a PYTHONPATH folder of wheels): it has a
+    # distribution, so the workers import it as the driver did
+    return name.partition(".")[0] not in _installed_packages()
 
 
 _STDLIB = sysconfig.get_paths()["stdlib"]
+
+
+@functools.lru_cache(maxsize=1)
+def _installed_packages() -> frozenset[str]:
+    """Top-level package names that belong to an installed distribution (on any sys.path entry)."""
+    import importlib.metadata
+
+    try:
+        return frozenset(importlib.metadata.packages_distributions())
+    except Exception:  # noqa: BLE001 - a broken dist-info must not stop a job; fall back to paths
+        return frozenset()
 
 
 def _cloudpickle():
