@@ -32,9 +32,10 @@ def main() -> int:
     ctx.checkpoint_config = CheckpointConfig(id_column="id", checkpoint_path=args.checkpoint)
 
     config = HttpRequestProcessorConfig(url=args.url, model="fake-model", concurrency=1, batch_size=8,
-                                        max_concurrent_requests=4, stall_timeout_s=60)
+                                        max_concurrent_requests=4, stall_timeout_s=60, should_continue_on_error=True)
     processor = build_processor(
         config,
+        # a row whose name asks for it gets a 400 from the fake endpoint: an error row
         preprocess=lambda row: dict(messages=[{"role": "user", "content": f"Item {row['id']} is {row['name']}"}],
                                     sampling_params=dict(temperature=0, max_tokens=8)),
         postprocess=lambda row: dict(id=row["id"], answer=row["generated_text"]))
