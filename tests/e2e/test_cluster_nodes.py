@@ -18,6 +18,7 @@ import sys
 import tempfile
 import textwrap
 import time
+import urllib.request
 from pathlib import Path
 
 import psutil
@@ -182,6 +183,7 @@ def test_a_killed_driver_resumes_from_another_process_on_the_same_cluster(cluste
 def test_a_worker_node_removed_mid_run_loses_and_duplicates_nothing(cluster, server, tmp_path):
     c = cluster
     job_file, job_dir = write_job(tmp_path, server)
+    urllib.request.urlopen(urllib.request.Request(f"{server}/reset", method="POST"), timeout=10).read()
     log = tmp_path / "driver.log"
     p = cli("run", str(job_file), "--quiet", log=log, address=c.address)
     wait_for(lambda: committed(job_dir) >= 40, 180, "40 committed rows", p)
@@ -193,3 +195,6 @@ def test_a_worker_node_removed_mid_run_loses_and_duplicates_nothing(cluster, ser
     assert p.wait(timeout=240) == 0, log.read_text()[-4000:]
     print(f"node removed at {removed_at} rows committed; the job ended {time.monotonic() - removed_t:.1f} s later")
     check_every_id_once(job_dir)
+    # the lost node had rows in flight: they were asked again, and are still in the output once
+    seen = json.loads(urllib.request.urlopen(f"{server}/stats", timeout=10).read())
+    assert seen["keys"] == ROWS and seen["attempts"] > ROWS, seen
