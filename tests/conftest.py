@@ -56,9 +56,35 @@ def ray_cluster(tmp_path_factory):
         yield address
     finally:
         ray.shutdown()
-        subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "stop", "--force"], capture_output=True)
+        _stop_own_cluster(temp)
         os.environ.pop("RAY_ADDRESS", None)
         time.sleep(1)
+
+
+def _stop_own_cluster(temp: Path) -> None:
+    """Stop the Ray head this session started, and nothing else: ``ray stop`` would stop every
+    Ray cluster on the machine (other sessions' included). Its processes name its temp dir; its
+    workers exit with its raylet."""
+    import psutil
+
+    own = []
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            if f"{temp}/" in " ".join(proc.info["cmdline"] or []):
+                own.append(proc)
+        except psutil.Error:
+            continue
+    for proc in own:
+        try:
+            proc.terminate()
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(own, timeout=5)
+    for proc in alive:
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
 
 
 @pytest.fixture(scope="session")

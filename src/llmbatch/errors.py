@@ -81,6 +81,36 @@ class EngineDiedError(LLMBatchError):
     """The engine died again and again while running a row; the row gave up."""
 
 
+class EndpointError(LLMBatchError):
+    """An endpoint (an OpenAI-compatible HTTP server, a Ray Serve deployment) gave no usable
+    answer for a row: the message says what it answered (status, body excerpt) and after how
+    many attempts."""
+
+
+class HttpStatusError(EndpointError):
+    """The endpoint answered with an error status (e.g. 400 for a bad request, or 429/5xx
+    still after every retry); the message has the status and an excerpt of the body."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.status))
+
+
+class EndpointTimeoutError(EndpointError):
+    """No complete answer within the request timeout, on every attempt."""
+
+
+class EndpointConnectionError(EndpointError):
+    """The connection failed or dropped (refused, reset, closed mid-answer) on every attempt."""
+
+
+class InvalidResponseError(EndpointError):
+    """The endpoint answered 2xx with a body that is not the JSON expected (invalid, truncated)."""
+
+
 class StallError(LLMBatchError):
     """A run made no progress for ``stall_timeout_s``: says what waits, for what, what holds
     it, and what to do."""
