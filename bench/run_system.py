@@ -1,10 +1,17 @@
-"""Run one workload through one system in this process and print a JSON result line.
+"""Run one workload through one system in this process and write a JSON result.
 
 Systems: ``vllm`` (plain ``vllm.LLM.chat`` with every prompt at once: the engine's own best),
 ``llmbatch`` (the processor API on a Ray Dataset), ``llmbatch-job`` (the job CLI's Python API
 on a JSONL file) and ``ray`` (Ray's ``ray.data.llm``). All get the same requests and the same
-engine settings. Times: ``wall_s`` includes start-up; ``steady_s`` runs from the moment the
-engine was ready to the last row (the engine's start is the same cost for everyone).
+pinned engine settings (``max_num_seqs``, ``max_num_batched_tokens`` and the rest, so that no
+system runs on its own defaults), and every system writes its answers to a Parquet file.
+
+Times, the same for every system, in epoch seconds: ``process_start`` (this process's start,
+from the OS), ``first_request_at`` (the first request handed to an engine: vLLM's
+``add_request``, llmbatch's replicas' own record; for ray.data.llm, which records none, the
+earliest "answer time minus time in the engine", labelled ``first_request_estimated``) and
+``last_row_at`` (the answers' file closed). ``wall_s`` = last row written - process start (what
+a user waits for, the headline); ``engine_window_s`` = last row written - first request.
 """
 
 from __future__ import annotations
@@ -16,6 +23,10 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
+
+PROCESS_START = psutil.Process().create_time()
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from workloads import WORKLOADS  # noqa: E402
@@ -24,7 +35,8 @@ GiB = 1 << 30
 
 
 def engine_kwargs(args) -> dict:
-    kw = {"max_model_len": args.max_model_len, "enable_prefix_caching": True}
+    kw = {"max_model_len": args.max_model_len, "enable_prefix_caching": True, "max_num_seqs": args.max_num_seqs,
+          "max_num_batched_tokens": args.max_num_batched_tokens}
     if args.device == "cpu":
         kw.update(enforce_eager=True, kv_cache_memory_bytes=args.kv_cache_gib * GiB)
     else:
@@ -38,21 +50,39 @@ def run_vllm(rows, model_path, args) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.sampling_params import StructuredOutputsParams
 
-    t0 = time.perf_counter()
     llm = LLM(model_path, **engine_kwargs(args))
-    ready = time.perf_counter()
+    ready = time.time()
+    first = []
+    add_request = llm.llm_engine.add_request
+
+    def noted(*a, **kw):  # the first request handed to the engine (prompt rendering comes before)
+        if not first:
+            first.append(time.time())
+        return add_request(*a, **kw)
+
+    llm.llm_engine.add_request = noted
     params = []
     for r in rows:
         sp = dict(r["sampling_params"])
         so = sp.pop("structured_outputs", None)
         params.append(SamplingParams(**sp, structured_outputs=StructuredOutputsParams(**so) if so else None))
     outs = llm.chat([r["messages"] for r in rows], params, use_tqdm=False)
-    end = time.perf_counter()
-    out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    texts = {r["id"]: o.outputs[0].text for r, o in zip(rows, outs)}
+    gen = [len(o.outputs[0].token_ids) for o in outs]
+    _write(args.out_parquet, list(texts), list(texts.values()), gen)
+    end = time.time()
     in_tokens = sum(len(o.prompt_token_ids) for o in outs)
     llm.llm_engine.engine_core.shutdown()  # stop the engine's processes before this one exits
-    return {"rows": len(outs), "output_tokens": out_tokens, "input_tokens": in_tokens, "wall_s": end - t0,
-            "steady_s": end - ready, "first_result_s": end - t0, "texts": {r["id"]: o.outputs[0].text for r, o in zip(rows, outs)}}
+    return {"rows": len(outs), "output_tokens": sum(gen), "generated_tokens": sum(gen), "input_tokens": in_tokens,
+            "engine_ready_at": ready, "first_request_at": first[0] if first else ready,
+            "first_row_at": end, "last_row_at": end, "texts": texts}
+
+
+def _write(path: str, ids: list, texts: list, gen: list) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"id": ids, "generated_text": texts, "num_generated_tokens": gen}), path)
 
 
 def run_llmbatch(rows, model_path, args) -> dict:
@@ -60,7 +90,6 @@ def run_llmbatch(rows, model_path, args) -> dict:
 
     from llmbatch import build_processor, vLLMEngineProcessorConfig
 
-    t0 = time.perf_counter()
     ray.init(include_dashboard=False, logging_level="WARNING")
     ray.data.DataContext.get_current().enable_progress_bars = False
     config = vLLMEngineProcessorConfig(model_source=model_path, engine_kwargs=engine_kwargs(args),
@@ -68,36 +97,53 @@ def run_llmbatch(rows, model_path, args) -> dict:
                                        dedup_requests=not args.no_dedup, sort_by_prefix=not args.no_sort)
     from llmbatch.rows import STATS
 
-    result = _collect(build_processor(config, keep_private=(STATS,))(ray.data.from_items(rows)), t0)
+    result = _collect(build_processor(config, keep_private=(STATS,))(ray.data.from_items(rows)), args.out_parquet)
     ray.shutdown()
     return result
 
 
-def _collect(ds, t0: float) -> dict:
-    """Drain a Ray Dataset of answered rows; steady time starts at the earliest request start
-    (arrival minus time in the engine), the same estimate for every Ray-based system."""
+def _collect(ds, path: str) -> dict:
+    """Drain a Ray Dataset of answered rows into a Parquet file. llmbatch's rows carry their
+    replica's first request time; for others it is estimated as the earliest "arrival minus
+    time in the engine"."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     first = None
-    out_tokens = in_tokens = n = 0
-    starts = []
+    out_tokens = generated = in_tokens = n = 0
+    starts, noted, ready = [], [], []
     texts = {}
     deduped = cached = 0
+    writer = None
     for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
+        now = time.time()
+        gen = batch.column("num_generated_tokens").to_pylist()
+        copied = [False] * batch.num_rows
         if "__llmbatch_stats" in batch.column_names:
-            for st in batch.column("__llmbatch_stats").to_pylist():
-                deduped += bool(st and st["deduped"])
-                cached += (st or {}).get("cached_tokens") or 0
-        now = time.perf_counter()
+            stats = batch.column("__llmbatch_stats").to_pylist()
+            copied = [bool(st and st["deduped"]) for st in stats]
+            cached += sum((st or {}).get("cached_tokens") or 0 for st in stats)
+            noted += [st["first_request_at"] for st in stats if st and st.get("first_request_at")]
+            ready += [st["ready_at"] for st in stats if st and st.get("ready_at")]
+        deduped += sum(copied)
         first = first or now
         n += batch.num_rows
-        gen = batch.column("num_generated_tokens").to_pylist()
         out_tokens += sum(gen)
+        generated += sum(g for g, c in zip(gen, copied) if not c)
         in_tokens += sum(batch.column("num_input_tokens").to_pylist())
         starts.extend(now - t for t in batch.column("time_taken_llm").to_pylist())
-        texts.update(zip(batch.column("id").to_pylist(), batch.column("generated_text").to_pylist()))
-    end = time.perf_counter()
-    result = {"rows": n, "output_tokens": out_tokens, "input_tokens": in_tokens, "wall_s": end - t0,
-              "steady_s": end - min(starts) if starts else end - t0, "first_result_s": (first or end) - t0,
-              "texts": texts}
+        ids, answers = batch.column("id").to_pylist(), batch.column("generated_text").to_pylist()
+        texts.update(zip(ids, answers))
+        table = pa.table({"id": ids, "generated_text": answers, "num_generated_tokens": gen})
+        writer = writer or pq.ParquetWriter(path, table.schema)
+        writer.write_table(table)
+    if writer is not None:
+        writer.close()
+    end = time.time()
+    result = {"rows": n, "output_tokens": out_tokens, "generated_tokens": generated, "input_tokens": in_tokens,
+              "first_request_at": min(noted) if noted else (min(starts) if starts else end),
+              "first_request_estimated": not noted, "engine_ready_at": min(ready) if ready else None,
+              "first_row_at": first or end, "last_row_at": end, "texts": texts}
     if deduped or cached:
         result.update(dedup_ratio=round(deduped / max(1, n), 3), prefix_cache_hit_rate=round(cached / max(1, in_tokens), 3))
     return result
@@ -110,7 +156,6 @@ def run_ray(rows, model_path, args) -> dict:
     import ray
     from ray.data.llm import build_processor, vLLMEngineProcessorConfig
 
-    t0 = time.perf_counter()
     if args.device == "cpu":
         ray.init(num_gpus=1, num_cpus=8, include_dashboard=False, logging_level="WARNING")
         stage = dict(num_cpus=0.2)
@@ -128,7 +173,7 @@ def run_ray(rows, model_path, args) -> dict:
         postprocess=lambda r: dict(id=r["id"], generated_text=r["generated_text"],
                                    num_generated_tokens=r["num_generated_tokens"],
                                    num_input_tokens=r["num_input_tokens"], time_taken_llm=r["time_taken_llm"]))
-    result = _collect(processor(ray.data.from_items(rows)), t0)
+    result = _collect(processor(ray.data.from_items(rows)), args.out_parquet)
     ray.shutdown()
     return result
 
@@ -151,19 +196,18 @@ def run_llmbatch_job(rows, model_path, args) -> dict:
                   "concurrency": args.concurrency, "dedup_requests": not args.no_dedup,
                   "sort_by_prefix": not args.no_sort},
         "preprocess": "bench_hooks:request", "python_path": [str(tmp)],
-        "output": {"path": str(tmp / "out.parquet"), "columns": ["id", "generated_text", "num_generated_tokens"]},
+        "output": {"path": args.out_parquet, "columns": ["id", "generated_text", "num_generated_tokens"]},
     })
-    t0 = time.perf_counter()
     result = run_job(spec, quiet=True)
-    end = time.perf_counter()
+    end = time.time()  # the output is written (and fsynced) when run_job returns
     import pyarrow.parquet as pq
 
     table = pq.read_table(result.output_path)
     stats = result.stats
-    steady = stats.get("steady_s") or end - t0
     return {"rows": table.num_rows, "output_tokens": stats["delivered_tokens"],
             "generated_tokens": stats["generated_tokens"], "input_tokens": stats["input_tokens"],
-            "wall_s": end - t0, "steady_s": steady, "first_result_s": end - t0 - steady,
+            "first_request_at": stats.get("first_request_at") or end, "first_row_at": None, "last_row_at": end,
+            "phases_s": stats.get("phases_s"),
             "texts": dict(zip(table.column("id").to_pylist(), table.column("generated_text").to_pylist())),
             "dedup_ratio": stats["dedup_ratio"], "prefix_cache_hit_rate": stats["prefix_cache_hit_rate"]}
 
@@ -186,14 +230,20 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=1)
     p.add_argument("--no-dedup", action="store_true")
     p.add_argument("--no-sort", action="store_true")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--out", required=True)
     args = p.parse_args()
+    args.out_parquet = str(Path(args.out).with_suffix(".parquet"))
     from llmbatch.models import resolve_model
 
     model_path = resolve_model(args.model)
     rows = WORKLOADS[args.workload](args.rows)
     result = SYSTEMS[args.system](rows, model_path, args)
-    result.update(system=args.system, workload=args.workload)
+    result.update(system=args.system, workload=args.workload, process_start=PROCESS_START,
+                  wall_s=result["last_row_at"] - PROCESS_START,
+                  engine_window_s=result["last_row_at"] - result["first_request_at"],
+                  engine_kwargs=engine_kwargs(args), batch_size=args.batch_size, concurrency=args.concurrency)
     Path(args.out).write_text(json.dumps(result))
     os._exit(0)
 

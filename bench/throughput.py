@@ -3,10 +3,16 @@
     python bench/throughput.py                          # 500 unique prompts: vLLM vs llmbatch
     python bench/throughput.py --workloads unique,customers,duplicates,mixed --systems vllm,llmbatch,ray
 
-Each (workload, system) runs in a fresh process, one after another, on the same model and
-engine settings; the table shows rows/s and tokens/s over the steady part of each run (from
-the moment the engine was ready to the last row) and over the whole run (start-up included),
-plus the ratios llmbatch/vLLM and llmbatch/ray.data.llm from this same invocation.
+Each (workload, system) runs in a fresh process (``run_system.py``), on the same model,
+prompts and pinned engine settings; every system writes its answers to a Parquet file.
+Repeats are interleaved and the order turns each round (A B C, C B A, A B C, ...).
+
+Headline: rows/s over the **wall** time, from the process start to the last row written
+(what a user waits for). Second figure, measured the same way for every system: rows/s over
+the **engine window**, from the first request handed to any engine to the last row written.
+Both as the median over the repeats with the min-max; ratios are of medians from this same
+invocation. Generated tokens (what the engine produced) and delivered tokens (what the output
+holds, answers copied by dedup included) are reported apart. Raw runs go to ``--json-out``.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -33,40 +40,35 @@ def run_one(system: str, workload: str, args, extra: list[str]) -> dict:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
     env.pop("RAY_ADDRESS", None)
     log = out.with_name("run.log")
-    start = time.perf_counter()
     with open(log, "w") as fh:  # a file, not a pipe: engine processes that outlive a run cannot block us
         proc = subprocess.run(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, timeout=args.timeout,
                               start_new_session=True)
     if proc.returncode != 0 or not out.exists():
         tail = log.read_text()[-3000:]
         return {"system": system, "workload": workload, "error": f"exit {proc.returncode} (log {log}): {tail}"}
-    result = json.loads(out.read_text())
-    result["process_s"] = time.perf_counter() - start
-    return result
+    return json.loads(out.read_text())
 
 
-def median_run(runs: list[dict]) -> dict:
-    """The run with the median steady time (errors only if every run failed)."""
-    ok = sorted((r for r in runs if "error" not in r), key=lambda r: r["steady_s"])
+def summary(runs: list[dict]) -> dict:
+    """Median and min-max over the successful runs of one system."""
+    ok = [r for r in runs if "error" not in r]
     if not ok:
-        return runs[0]
-    chosen = dict(ok[(len(ok) - 1) // 2])
-    chosen["repeats"] = [round(r["steady_s"], 1) for r in ok]
-    return chosen
-
-
-def rates(r: dict) -> dict:
-    if "error" in r:
         return {}
-    steady = max(1e-9, r["steady_s"])
-    wall = max(1e-9, r["wall_s"])
+
+    def spread(values: list[float]) -> tuple[float, float, float]:
+        return statistics.median(values), min(values), max(values)
+
     return {
-        "rows_s": r["rows"] / steady,
-        "out_tok_s": r["output_tokens"] / steady,
-        "total_tok_s": (r["output_tokens"] + r["input_tokens"]) / steady,
-        "wall_rows_s": r["rows"] / wall,
-        "wall_out_tok_s": r["output_tokens"] / wall,
-        "first_result_s": r["first_result_s"],
+        "runs": len(ok), "failed": len(runs) - len(ok),
+        "wall_rows_s": spread([r["rows"] / r["wall_s"] for r in ok]),
+        "window_rows_s": spread([r["rows"] / r["engine_window_s"] for r in ok]),
+        "wall_s": spread([r["wall_s"] for r in ok]),
+        "window_s": spread([r["engine_window_s"] for r in ok]),
+        "to_first_request_s": spread([r["first_request_at"] - r["process_start"] for r in ok]),
+        "generated_tok_s": spread([r["generated_tokens"] / r["engine_window_s"] for r in ok]),
+        "delivered_tok_s": spread([r["output_tokens"] / r["engine_window_s"] for r in ok]),
+        "estimated": any(r.get("first_request_estimated") for r in ok),
+        "last": ok[-1],
     }
 
 
@@ -95,7 +97,7 @@ def main() -> None:
     p.add_argument("--timeout", type=int, default=1800)
     p.add_argument("--json-out", default=None, help="also write all results here")
     p.add_argument("--extra", default="", help="extra arguments for run_system.py (e.g. --no-dedup)")
-    p.add_argument("--repeat", type=int, default=1, help="runs per system, interleaved (A B A B); the table shows medians")
+    p.add_argument("--repeat", type=int, default=3, help="runs per system, interleaved, order turning each round")
     p.add_argument("--rows-per-workload", default="", help="e.g. mixed=120,dates=300 (others use --rows)")
     args = p.parse_args()
     systems = args.systems.split(",")
@@ -104,41 +106,51 @@ def main() -> None:
     for workload in args.workloads.split(","):
         runs: dict[str, list[dict]] = {s: [] for s in systems}
         wargs = argparse.Namespace(**{**vars(args), "rows": int(per_workload.get(workload, args.rows))})
-        for _ in range(args.repeat):
-            for system in systems:
+        for round_ in range(args.repeat):
+            for system in (systems if round_ % 2 == 0 else systems[::-1]):
                 r = run_one(system, workload, wargs, args.extra.split())
+                r["round"] = round_ + 1
                 runs[system].append(r)
                 results.append(r)
-                status = r.get("error", "")[:300] if "error" in r else f"{r['rows']} rows, steady {r['steady_s']:.1f}s, wall {r['wall_s']:.1f}s"
+                status = r.get("error", "")[:300] if "error" in r else (
+                    f"{r['rows']} rows, wall {r['wall_s']:.1f}s, engine window {r['engine_window_s']:.1f}s")
                 print(f"[bench] {workload:10s} {system:12s} {status}", flush=True)
-        print_table(workload, {s: median_run(rs) for s, rs in runs.items()})
+        print_table(workload, {s: summary(rs) for s, rs in runs.items()})
     if args.json_out:
-        slim = [{k: v for k, v in r.items() if k != "texts"} for r in results]
+        slim = [{k: v for k, v in r.items() if k != "texts"} for r in results]  # answers stay in the run folders
         Path(args.json_out).write_text(json.dumps(slim, indent=2))
 
 
 def print_table(workload: str, by_system: dict) -> None:
+    def fmt(t: tuple, digits: int = 2) -> str:
+        return f"{t[0]:.{digits}f} ({t[1]:.{digits}f}-{t[2]:.{digits}f})"
+
     print(f"\n## workload: {workload}\n")
-    print("| system | rows/s | output tok/s | total tok/s | rows/s (wall) | output tok/s (wall) | first result (s) | steady s (runs) |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
-    for system, r in by_system.items():
-        m = rates(r)
+    print("| system | runs | rows/s, wall (min-max) | rows/s, engine window | wall s | to first request s | "
+          "generated tok/s | delivered tok/s |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for system, m in by_system.items():
         if not m:
-            print(f"| {system} | failed | | | | | |")
+            print(f"| {system} | failed | | | | | | |")
             continue
-        print(f"| {system} | {m['rows_s']:.2f} | {m['out_tok_s']:.1f} | {m['total_tok_s']:.1f} | {m['wall_rows_s']:.2f} | "
-              f"{m['wall_out_tok_s']:.1f} | {m['first_result_s']:.1f} | {r.get('repeats', [round(r['steady_s'], 1)])} |")
-    lb = rates(by_system.get("llmbatch", {})) if "llmbatch" in by_system else {}
-    for ref in ("vllm", "ray"):
-        if ref in by_system and lb and rates(by_system[ref]):
-            extra = by_system["llmbatch"]
-            if extra.get("dedup_ratio") is not None:
-                print(f"llmbatch dedup ratio {extra['dedup_ratio']}, prefix-cache hit rate {extra.get('prefix_cache_hit_rate')}")
-            m = rates(by_system[ref])
-            agree = same_answers(by_system["llmbatch"], by_system[ref])
-            agree_text = f", same answers on {agree:.0%} of rows" if agree is not None else ""
-            print(f"\nllmbatch / {ref}: output tok/s {lb['out_tok_s'] / m['out_tok_s']:.3f}, rows/s "
-                  f"{lb['rows_s'] / m['rows_s']:.3f} (steady); rows/s {lb['wall_rows_s'] / m['wall_rows_s']:.3f} (wall){agree_text}")
+        mark = " (est.)" if m["estimated"] else ""
+        print(f"| {system} | {m['runs']} | {fmt(m['wall_rows_s'])} | {fmt(m['window_rows_s'])}{mark} | {fmt(m['wall_s'], 1)} | "
+              f"{fmt(m['to_first_request_s'], 1)} | {fmt(m['generated_tok_s'], 0)} | {fmt(m['delivered_tok_s'], 0)} |")
+    for name in ("llmbatch", "llmbatch-job"):
+        lb = by_system.get(name)
+        if not lb:
+            continue
+        for ref in ("vllm", "ray"):
+            m = by_system.get(ref)
+            if not m:
+                continue
+            agree = same_answers(lb["last"], m["last"])
+            agree_text = f"; same answers on {agree:.0%} of rows" if agree is not None else ""
+            print(f"\n{name} / {ref} (medians): rows/s wall {lb['wall_rows_s'][0] / m['wall_rows_s'][0]:.3f}, "
+                  f"engine window {lb['window_rows_s'][0] / m['window_rows_s'][0]:.3f}{agree_text}")
+        phases = lb["last"].get("phases_s")
+        if phases:
+            print(f"{name} phases (last run, s): " + ", ".join(f"{k} {v}" for k, v in phases.items()))
     print(flush=True)
 
 

@@ -15,7 +15,7 @@ LAYERS = [
     ["io", "models", "toy_models", "engines", "progress", "reaper", "sample_data", "sample_images", "install_check",
      "cluster", "watchdog"],
     ["config", "stages"],
-    ["processor", "builders"],
+    ["processor", "builders", "deployments"],
     ["jobs", "demo"],
     ["cli", "server", "__init__", "__main__"],
 ]
@@ -119,3 +119,16 @@ def test_the_architecture_page_names_every_top_level_module():
     named = {w.strip("/").removesuffix(".py") for w in re.findall(r"`([\w/.]+)`", page)}
     missing = sorted({m.split(".")[0] for m in modules()} - {"__init__", "__main__"} - named)
     assert not missing, f"docs/architecture.md does not mention {missing}"
+
+
+def test_test_module_names_are_unique():
+    """pytest imports test files by basename (no packages under tests/): two files with one
+    name break collection of the whole suite, so each name must be unique."""
+    tests = Path(__file__).resolve().parent
+    seen: dict[str, Path] = {}
+    clashes = []
+    for path in sorted(tests.rglob("test_*.py")):
+        if path.name in seen:
+            clashes.append(f"{seen[path.name].relative_to(tests)} and {path.relative_to(tests)}")
+        seen.setdefault(path.name, path)
+    assert not clashes, f"rename one of each pair: {clashes}"

@@ -6,7 +6,11 @@ from llmbatch import (
     ChatTemplateStageConfig,
     ConfigError,
     HttpRequestProcessorConfig,
+    HttpRequestStageConfig,
+    LLMConfig,
+    ServeDeploymentProcessorConfig,
     TokenizerStageConfig,
+    build_processor,
     vLLMEngineProcessorConfig,
 )
 
@@ -107,9 +111,53 @@ def test_devices_per_replica():
 
 def test_http_config():
     c = HttpRequestProcessorConfig(url="http://localhost:8000/v1/chat/completions", qps=5, max_retries=2)
-    assert c.base_retry_wait_time_in_s == 1.0
+    assert c.base_retry_wait_time_in_s == 1.0 and c.batch_size == 64  # Ray's defaults
+    assert c.max_concurrent_requests == 64 and c.resolved_max_concurrent_batches() == 2
     with pytest.raises(ConfigError):
         HttpRequestProcessorConfig(url="http://x", qps=0)
+    with pytest.raises(ConfigError, match="must start with http"):
+        HttpRequestProcessorConfig(url="localhost:8000")
+    stage = HttpRequestProcessorConfig(url="http://x", http_request_stage={"num_cpus": 0.5, "concurrency": 3})
+    assert isinstance(stage.http_request_stage, HttpRequestStageConfig) and stage.http_request_stage.num_cpus == 0.5
+    with pytest.raises(ConfigError, match="cannot be disabled"):
+        HttpRequestProcessorConfig(url="http://x", http_request_stage=False)
+
+
+def test_http_keys_come_from_the_environment_and_never_show(monkeypatch):
+    with pytest.raises(ConfigError, match="LLMBATCH_TEST_KEY .*is not set"):
+        HttpRequestProcessorConfig(url="http://x", api_key_env="LLMBATCH_TEST_KEY")
+    monkeypatch.setenv("LLMBATCH_TEST_KEY", "sk-test-0123456789")
+    c = HttpRequestProcessorConfig(url="http://x", api_key_env="LLMBATCH_TEST_KEY",
+                                   headers={"Authorization": "Bearer sk-literal-0123456789", "X-Team": "t"})
+    shown = repr(c) + str(c)
+    assert "sk-" not in shown and "LLMBATCH_TEST_KEY" in shown and "X-Team" in shown
+    processor = build_processor(c)
+    engine = processor.get_stage_by_name("engine").engine
+    assert engine.headers["Authorization"].value == "Bearer sk-test-0123456789"  # api_key_env wins
+    assert "sk-" not in repr(engine.headers)
+
+
+def test_endpoint_processors_have_no_template_tokenizer_or_gpu():
+    for config in (HttpRequestProcessorConfig(url="http://x", concurrency=3),
+                   ServeDeploymentProcessorConfig(deployment_name="llm", app_name="app", concurrency=3)):
+        processor = build_processor(config, preprocess=lambda r: r, postprocess=lambda r: r)
+        assert processor.list_stage_names() == ["preprocess", "engine", "postprocess"]
+        ops = processor.operators({"CPU": 64.0, "GPU": 8.0})
+        assert [op.name for op in ops] == ["preprocess+engine+postprocess"]
+        assert "num_gpus" not in ops[0].remote_args and ops[0].max_workers == 3
+    ops = build_processor(HttpRequestProcessorConfig(url="http://x", http_request_stage={"num_cpus": 0.25})).operators()
+    assert ops[0].remote_args["num_cpus"] == 0.25
+
+
+def test_serve_and_deployment_configs():
+    c = ServeDeploymentProcessorConfig(deployment_name="llm")
+    assert c.app_name == "default" and c.request_timeout_s is None and c.should_continue_on_error is False
+    with pytest.raises(ConfigError, match="deployment_name"):
+        ServeDeploymentProcessorConfig(app_name="x")
+    d = LLMConfig(model_loading_config={"model_id": "smol", "model_source": MODEL}, engine_kwargs={"max_model_len": 256})
+    assert d.model_id() == "smol" and d.model_source() == MODEL
+    with pytest.raises(ConfigError, match="unknown keys"):
+        LLMConfig(model_loading_config={"model_id": "x", "model": MODEL})
 
 
 def test_no_warning_for_modern_config():
@@ -119,7 +167,8 @@ def test_no_warning_for_modern_config():
 
 
 def test_field_docs_exist_for_every_field():
-    for cls in (vLLMEngineProcessorConfig, ChatTemplateStageConfig, HttpRequestProcessorConfig):
+    for cls in (vLLMEngineProcessorConfig, ChatTemplateStageConfig, HttpRequestProcessorConfig,
+                ServeDeploymentProcessorConfig, LLMConfig):
         docs = cls.field_docs()
         assert docs and all(docs.values()), [k for k, v in docs.items() if not v]
 
@@ -130,4 +179,4 @@ def test_configuration_reference_is_current():
     from llmbatch.jobs.reference import config_reference
 
     committed = (Path(__file__).resolve().parents[1] / "docs" / "configuration.md").read_text()
-    assert committed.strip() == config_reference().strip(), "regenerate docs/configuration.md with llmbatch.config.config_reference()"
+    assert committed.strip() == config_reference().strip(), "regenerate docs/configuration.md with llmbatch.jobs.reference.config_reference()"

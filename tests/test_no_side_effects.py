@@ -41,6 +41,33 @@ def test_a_local_preprocess_travels_by_value_without_global_registration(tmp_pat
     assert pickle.loads(pickle.dumps(stage)).fn({"q": "x"}) == {"prompt": "x!"}
 
 
+def test_packages_installed_outside_site_packages_are_not_pickled_by_value(tmp_path, monkeypatch):
+    """pip install --target DIR and PYTHONPATH=DIR (as on a machine without a venv): those
+    packages have a distribution and stay imported by name; only the user's own modules travel
+    by value (pickling a whole installed stack by value recursed without end)."""
+    from llmbatch import codec
+
+    site = tmp_path / "site"
+    (site / "targetpkg").mkdir(parents=True)
+    (site / "targetpkg" / "__init__.py").write_text("VALUE = 1\n")
+    dist = site / "targetpkg-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: targetpkg\nVersion: 1.0\n")
+    (dist / "top_level.txt").write_text("targetpkg\n")
+    (tmp_path / "ownhooks.py").write_text("def pre(row):\n    return row\n")
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    codec._installed_packages.cache_clear()
+    import ownhooks
+    import targetpkg
+
+    try:
+        assert not codec._is_local("targetpkg", targetpkg)
+        assert codec._is_local("ownhooks", ownhooks)
+    finally:
+        codec._installed_packages.cache_clear()
+
+
 def test_reading_a_csv_puts_the_field_size_limit_back(tmp_path):
     from llmbatch.io.readers import read_rows
 

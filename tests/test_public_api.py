@@ -19,7 +19,8 @@ def test_ray_names_exist():
     # the names Ray's ray.data.llm users import
     for name in ("vLLMEngineProcessorConfig", "build_llm_processor", "build_processor", "Processor",
                  "ChatTemplateStageConfig", "TokenizerStageConfig", "DetokenizeStageConfig",
-                 "PrepareMultimodalStageConfig", "HttpRequestProcessorConfig", "SGLangEngineProcessorConfig"):
+                 "PrepareMultimodalStageConfig", "HttpRequestProcessorConfig", "SGLangEngineProcessorConfig",
+                 "ServeDeploymentProcessorConfig", "HttpRequestStageConfig"):
         assert name in llmbatch.__all__
     assert llmbatch.build_llm_processor is llmbatch.build_processor
 

@@ -9,13 +9,23 @@ from llmbatch.config import (
     ChatTemplateStageConfig,
     DetokenizeStageConfig,
     HttpRequestProcessorConfig,
+    HttpRequestStageConfig,
+    LLMConfig,
     PrepareMultimodalStageConfig,
     ProcessorConfig,
+    ServeDeploymentProcessorConfig,
     SGLangEngineProcessorConfig,
     TokenizerStageConfig,
     vLLMEngineProcessorConfig,
 )
-from llmbatch.errors import ConfigError, JobError, LLMBatchError, RowError
+from llmbatch.deployments import build_llm_deployment
+from llmbatch.errors import (
+    ConfigError,
+    EndpointError,
+    JobError,
+    LLMBatchError,
+    RowError,
+)
 from llmbatch.jobs.run import JobResult, run_job
 from llmbatch.jobs.spec import JobSpec, load_job
 from llmbatch.processor import Processor
@@ -26,17 +36,22 @@ __all__ = [
     "ChatTemplateStageConfig",
     "ConfigError",
     "DetokenizeStageConfig",
+    "EndpointError",
     "HttpRequestProcessorConfig",
+    "HttpRequestStageConfig",
     "JobError",
     "JobResult",
     "JobSpec",
     "LLMBatchError",
+    "LLMConfig",
     "PrepareMultimodalStageConfig",
     "Processor",
     "ProcessorConfig",
     "RowError",
     "SGLangEngineProcessorConfig",
+    "ServeDeploymentProcessorConfig",
     "TokenizerStageConfig",
+    "build_llm_deployment",
     "build_llm_processor",
     "build_processor",
     "load_job",

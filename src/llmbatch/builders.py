@@ -9,20 +9,27 @@ before any work.
 
 from __future__ import annotations
 
-import importlib.util
+import os
 from collections.abc import Callable
 from typing import Any
 
 from llmbatch.config import (
+    EndpointProcessorConfig,
     HttpRequestProcessorConfig,
+    OfflineProcessorConfig,
     ProcessorConfig,
+    ServeDeploymentProcessorConfig,
     SGLangEngineProcessorConfig,
     vLLMEngineProcessorConfig,
 )
+from llmbatch.engines.http import HttpEngine
+from llmbatch.engines.serve import REPLICA_ATTEMPTS, ServeEngine
+from llmbatch.engines.sglang import SGLangEngine, check_sglang_build
 from llmbatch.engines.vllm import VLLMEngine
 from llmbatch.engines.vllm_chat import VllmChat
-from llmbatch.errors import ConfigError, MissingDependencyError
+from llmbatch.errors import ConfigError
 from llmbatch.processor import Layout, Processor, StageSpec
+from llmbatch.redact import Secret, is_secret_key
 from llmbatch.stages.base import Stage
 from llmbatch.stages.chat_template import ChatTemplateStage
 from llmbatch.stages.detokenize import DetokenizeStage
@@ -50,12 +57,7 @@ def register(config_type: type) -> Callable[[Builder], Builder]:
 def builder_for(config: ProcessorConfig) -> Builder:
     """The builder for ``config``; a config no builder can run fails here, before any work."""
     if isinstance(config, SGLangEngineProcessorConfig):
-        if importlib.util.find_spec("sglang") is None:
-            raise MissingDependencyError("SGLangEngineProcessorConfig", "llmbatch[sglang]")
-        raise ConfigError("the SGLang engine is not supported by this llmbatch version yet; "
-                          "use vLLMEngineProcessorConfig")
-    if isinstance(config, HttpRequestProcessorConfig) and HttpRequestProcessorConfig not in _REGISTRY:
-        raise ConfigError("HttpRequestProcessorConfig is not supported by this llmbatch version yet")
+        check_sglang_build()
     for cls in type(config).__mro__:
         if cls in _REGISTRY:
             return _REGISTRY[cls]
@@ -80,13 +82,43 @@ build_llm_processor = build_processor
 
 
 @register(vLLMEngineProcessorConfig)
-def build_vllm_processor(config: vLLMEngineProcessorConfig, *, preprocess: UserFn | None = None,
-                         postprocess: UserFn | None = None, preprocess_map_kwargs: dict[str, Any] | None = None,
-                         postprocess_map_kwargs: dict[str, Any] | None = None,
-                         chat_template_kwargs: dict[str, Any] | None = None,
-                         keep_private: tuple[str, ...] = (), encoded_output: bool = False) -> Processor:
+def build_vllm_processor(config: vLLMEngineProcessorConfig, **kwargs: Any) -> Processor:
     """The vLLM processor: [preprocess] -> [multimodal] -> chat template -> tokenize -> vLLM ->
     detokenize -> [postprocess]."""
+    engine_kwargs = dict(config.engine_kwargs)
+    remote_fn = None
+    if config.placement_group_config:
+        remote_fn = _placement_group_fn(config)
+        # the replica's workers live in its placement group: vLLM places them through Ray
+        engine_kwargs.setdefault("distributed_executor_backend", "ray")
+    lo, hi = config.concurrency_range()
+    engine = VLLMEngine(config.model_source, engine_kwargs, config.task_type, config.dynamic_lora_loading_path,
+                        replicas_per_node=hi,
+                        detokenize_after=config.detokenize_stage.enabled and config.task_type == "generate",
+                        log_metrics=config.log_engine_metrics)
+    return _engine_processor(config, engine, max_model_len=config.engine_kwargs.get("max_model_len"),
+                             remote_fn=remote_fn, **kwargs)
+
+
+@register(SGLangEngineProcessorConfig)
+def build_sglang_processor(config: SGLangEngineProcessorConfig, **kwargs: Any) -> Processor:
+    """The SGLang processor (GPU only): [preprocess] -> chat template -> tokenize -> SGLang ->
+    [detokenize, where the engine left text out] -> [postprocess]."""
+    if config.prepare_multimodal_stage.enabled:
+        raise ConfigError("SGLangEngineProcessorConfig: prepare_multimodal_stage is not supported with SGLang by "
+                          "this llmbatch version; use vLLMEngineProcessorConfig for images, video and audio")
+    engine = SGLangEngine(config.model_source, config.engine_kwargs, config.task_type)
+    return _engine_processor(config, engine, max_model_len=config.engine_kwargs.get("context_length"),
+                             needs_gpu=True, **kwargs)
+
+
+def _engine_processor(config: OfflineProcessorConfig, engine: Any, *, max_model_len: Any, remote_fn=None,
+                      needs_gpu: bool = False, preprocess: UserFn | None = None, postprocess: UserFn | None = None,
+                      preprocess_map_kwargs: dict[str, Any] | None = None,
+                      postprocess_map_kwargs: dict[str, Any] | None = None,
+                      chat_template_kwargs: dict[str, Any] | None = None,
+                      keep_private: tuple[str, ...] = (), encoded_output: bool = False) -> Processor:
+    """An engine's processor: the CPU stages around ``engine``, laid out for the config."""
     trust = bool(config.engine_kwargs.get("trust_remote_code", False))
     generate = config.task_type == "generate"
     pre: list[StageSpec] = []
@@ -109,21 +141,12 @@ def build_vllm_processor(config: vLLMEngineProcessorConfig, *, preprocess: UserF
                                                trust, vllm_chat=vllm_chat), ct))
     tk = config.tokenize_stage
     if tk.enabled:
-        max_len = config.engine_kwargs.get("max_model_len")
         pre.append(StageSpec(TokenizeStage(tk.model_source or config.model_source,
-                                           int(max_len) if max_len is not None else None, trust,
+                                           int(max_model_len) if max_model_len is not None else None, trust,
                                            task=config.task_type), tk))
-    engine_kwargs = dict(config.engine_kwargs)
-    remote_fn = None
-    if config.placement_group_config:
-        remote_fn = _placement_group_fn(config)
-        # the replica's workers live in its placement group: vLLM places them through Ray
-        engine_kwargs.setdefault("distributed_executor_backend", "ray")
     lo, hi = config.concurrency_range()
     engine = EngineStage(
-        VLLMEngine(config.model_source, engine_kwargs, config.task_type, config.dynamic_lora_loading_path,
-                   replicas_per_node=hi, detokenize_after=config.detokenize_stage.enabled and generate,
-                   log_metrics=config.log_engine_metrics),
+        engine,
         max_pending_requests=config.max_pending_requests,
         dedup=config.dedup_requests,
         sort_by_prefix=config.sort_by_prefix,
@@ -144,7 +167,84 @@ def build_vllm_processor(config: vLLMEngineProcessorConfig, *, preprocess: UserF
         devices_per_replica=config.devices_per_replica(), accelerator_type=config.accelerator_type,
         runtime_env=config.runtime_env, max_concurrent_batches=config.resolved_max_concurrent_batches(),
         max_tasks_in_flight=config.max_tasks_in_flight_per_actor, engine_remote_args_fn=remote_fn,
-        stall_timeout_s=config.stall_timeout_s, keep_private=keep_private, encoded_output=encoded_output)
+        stall_timeout_s=config.stall_timeout_s, keep_private=keep_private, encoded_output=encoded_output,
+        needs_gpu=needs_gpu)
+    return Processor(config, layout)
+
+
+def _endpoint_layout(config: EndpointProcessorConfig, engine: Any, *, preprocess: UserFn | None,
+                     postprocess: UserFn | None, preprocess_map_kwargs: dict[str, Any] | None,
+                     postprocess_map_kwargs: dict[str, Any] | None, keep_private: tuple[str, ...],
+                     encoded_output: bool, stage: Any = None, max_attempts: int = 3) -> Layout:
+    """[preprocess] -> endpoint -> [postprocess]: no chat template, tokenizer or GPU here."""
+    pre = [StageSpec(PreprocessStage(preprocess), None, preprocess_map_kwargs)] if preprocess is not None else []
+    post = [StageSpec(PostprocessStage(postprocess), None, postprocess_map_kwargs)] if postprocess is not None else []
+    if not post:
+        post.append(StageSpec(_Passthrough(), None))
+    stage_engine = EngineStage(engine, max_pending_requests=config.max_concurrent_requests, dedup=config.dedup_requests,
+                               sort_by_prefix=False, flush_rows=max(1, min(64, config.batch_size // 4)),
+                               structured_output_errors=config.resolved_structured_output_errors(),
+                               max_attempts=max_attempts)
+    batch_size, concurrency = config.batch_size, config.concurrency
+    resources: dict[str, Any] = {}
+    if stage is not None:
+        batch_size = stage.batch_size or batch_size
+        concurrency = stage.concurrency or concurrency
+        resources = {k: v for k, v in (("num_cpus", stage.num_cpus), ("memory", stage.memory)) if v is not None}
+    lo, hi = (concurrency, concurrency) if isinstance(concurrency, int) else concurrency
+    return Layout(
+        pre=pre, engine=stage_engine, post=post, batch_size=batch_size, concurrency=(lo, hi), task_type="endpoint",
+        continue_on_error=config.should_continue_on_error, devices_per_replica=0,
+        accelerator_type=config.accelerator_type, runtime_env=getattr(stage, "runtime_env", None),
+        max_concurrent_batches=config.resolved_max_concurrent_batches(), stall_timeout_s=config.stall_timeout_s,
+        keep_private=keep_private, encoded_output=encoded_output, engine_resources=resources)
+
+
+def endpoint_headers(config: HttpRequestProcessorConfig) -> dict[str, Any]:
+    """The request headers, with the key from ``api_key_env``; secret values are :class:`Secret`
+    (shown as ``<redacted>`` anywhere they are printed or logged)."""
+    headers = {k: Secret(str(v)) if is_secret_key(k) else v for k, v in (config.headers or {}).items()}
+    if config.api_key_env:
+        key = os.environ.get(config.api_key_env)
+        if not key:
+            raise ConfigError(f"api_key_env names {config.api_key_env!r}, which is not set in the environment; "
+                              f"export {config.api_key_env}=... and run again")
+        headers["Authorization"] = Secret(f"Bearer {key}")
+    return headers
+
+
+@register(HttpRequestProcessorConfig)
+def build_http_processor(config: HttpRequestProcessorConfig, *, preprocess: UserFn | None = None,
+                         postprocess: UserFn | None = None, preprocess_map_kwargs: dict[str, Any] | None = None,
+                         postprocess_map_kwargs: dict[str, Any] | None = None, keep_private: tuple[str, ...] = (),
+                         encoded_output: bool = False) -> Processor:
+    """The HTTP processor: [preprocess] -> OpenAI-compatible endpoint -> [postprocess]."""
+    engine = HttpEngine(config.url, endpoint_headers(config), model=config.model, qps=config.qps,
+                        tokens_per_minute=config.tokens_per_minute, max_retries=config.max_retries,
+                        base_retry_wait_s=config.base_retry_wait_time_in_s,
+                        max_concurrent_requests=config.max_concurrent_requests,
+                        request_timeout_s=config.request_timeout_s, dedup=config.dedup_requests,
+                        structured_fields=config.structured_output_fields, session_factory=config.session_factory)
+    layout = _endpoint_layout(config, engine, preprocess=preprocess, postprocess=postprocess,
+                              preprocess_map_kwargs=preprocess_map_kwargs, postprocess_map_kwargs=postprocess_map_kwargs,
+                              keep_private=keep_private, encoded_output=encoded_output, stage=config.http_request_stage)
+    return Processor(config, layout)
+
+
+@register(ServeDeploymentProcessorConfig)
+def build_serve_processor(config: ServeDeploymentProcessorConfig, *, preprocess: UserFn | None = None,
+                          postprocess: UserFn | None = None, preprocess_map_kwargs: dict[str, Any] | None = None,
+                          postprocess_map_kwargs: dict[str, Any] | None = None, keep_private: tuple[str, ...] = (),
+                          encoded_output: bool = False) -> Processor:
+    """The Serve processor: [preprocess] -> a shared Ray Serve deployment -> [postprocess]."""
+    engine = ServeEngine(config.deployment_name, config.app_name, dtype_mapping=config.dtype_mapping,
+                         request_timeout_s=config.request_timeout_s, model=config.model,
+                         max_concurrent_requests=config.max_concurrent_requests, dedup=config.dedup_requests,
+                         structured_fields=config.structured_output_fields)
+    layout = _endpoint_layout(config, engine, preprocess=preprocess, postprocess=postprocess,
+                              preprocess_map_kwargs=preprocess_map_kwargs, postprocess_map_kwargs=postprocess_map_kwargs,
+                              keep_private=keep_private, encoded_output=encoded_output,
+                              max_attempts=REPLICA_ATTEMPTS)
     return Processor(config, layout)
 
 

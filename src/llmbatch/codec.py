@@ -14,6 +14,7 @@ Two forms, one module:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -25,7 +26,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from llmbatch.rows import ERROR_COLUMN, TASK_OUTPUT_COLUMNS, Row
+from llmbatch.rows import ERROR_COLUMN, GENERATE_OUTPUT_COLUMNS, HTTP_OUTPUT_COLUMNS, TASK_OUTPUT_COLUMNS, Row
 
 logger = logging.getLogger(__name__)
 
@@ -55,14 +56,25 @@ VECTOR_COLUMNS = ("embeddings", "probs")
 
 
 def empty_engine_output(task_type: str, row: Row) -> dict[str, Any]:
-    """Engine columns of a row that never got an answer (an error row)."""
+    """Engine columns of a row that never got an answer (an error row).
+
+    ``task_type`` "endpoint" (HTTP, Ray Serve): the endpoint columns, and the generate columns
+    too for a row that asked with ``messages``/``prompt`` rather than its own request."""
+    if task_type == "endpoint":
+        columns = HTTP_OUTPUT_COLUMNS
+        if "request_kwargs" in row:  # a Serve deployment's response fields are merged into the row
+            columns = tuple(c for c in columns if c != "http_response")
+        elif "payload" not in row:
+            columns = tuple(dict.fromkeys(GENERATE_OUTPUT_COLUMNS + columns))
+    else:
+        columns = TASK_OUTPUT_COLUMNS[task_type]
     defaults = {
         "generated_text": "", "generated_tokens": [], "num_input_tokens": 0, "num_generated_tokens": 0,
         "prompt": row.get("prompt") if isinstance(row.get("prompt"), str) else "",
         "finish_reason": "error", "time_taken_llm": 0.0, "request_id": -1, "batch_uuid": "", "embeddings": None,
-        "probs": None, "label": None, "score": None,
+        "http_response": None, "probs": None, "label": None, "score": None,
     }
-    return {c: defaults[c] for c in TASK_OUTPUT_COLUMNS[task_type]}
+    return {c: defaults[c] for c in columns}
 
 
 # ---------------------------------------------------------------------------- in flight
@@ -160,10 +172,25 @@ def _is_local(name: str, module: Any) -> bool:
     origin = getattr(module, "__file__", None) or ""
     if not origin or "site-packages" in origin or "dist-packages" in origin:
         return False
-    return not origin.startswith(_STDLIB)
+    if origin.startswith(_STDLIB):
+        return False
+    # installed elsewhere (pip install --target, a PYTHONPATH folder of wheels): it has a
+    # distribution, so the workers import it as the driver did
+    return name.partition(".")[0] not in _installed_packages()
 
 
 _STDLIB = sysconfig.get_paths()["stdlib"]
+
+
+@functools.lru_cache(maxsize=1)
+def _installed_packages() -> frozenset[str]:
+    """Top-level package names that belong to an installed distribution (on any sys.path entry)."""
+    import importlib.metadata
+
+    try:
+        return frozenset(importlib.metadata.packages_distributions())
+    except Exception:  # noqa: BLE001 - a broken dist-info must not stop a job; fall back to paths
+        return frozenset()
 
 
 def _cloudpickle():

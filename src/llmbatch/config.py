@@ -8,6 +8,7 @@ the closest known one.
 
 from __future__ import annotations
 
+import os
 import warnings
 from typing import Any, ClassVar, Literal, Optional, Union
 
@@ -20,8 +21,10 @@ from pydantic import (
     model_validator,
 )
 
+from llmbatch.engines.sglang_params import engine_kwargs as sglang_engine_kwargs
 from llmbatch.errors import ConfigError, did_you_mean
 from llmbatch.models import check_model_source
+from llmbatch.redact import redact
 
 Concurrency = Union[int, tuple[int, int]]
 TaskType = Literal["generate", "embed", "classify", "score"]
@@ -84,6 +87,11 @@ class _Config(BaseModel):
     @classmethod
     def known_fields(cls) -> list[str]:
         return sorted(cls.model_fields)
+
+    def __repr_args__(self):
+        # a config in a log line or a traceback shows no secret (headers, keys, tokens)
+        for name, value in super().__repr_args__():
+            yield name, redact(value, name)
 
     @classmethod
     def field_docs(cls) -> dict[str, str]:
@@ -232,6 +240,9 @@ class OfflineProcessorConfig(ProcessorConfig):
     tokenize_stage: Any = Field(True, description="Tokenize stage: bool, dict or TokenizerStageConfig.")
     detokenize_stage: Any = Field(True, description="Detokenize stage: bool, dict or DetokenizeStageConfig.")
     prepare_multimodal_stage: Any = Field(False, description="Multimodal preparation stage: bool, dict or PrepareMultimodalStageConfig.")
+    dedup_requests: bool = Field(True, json_schema_extra=NUMERICS, description="llmbatch: send identical requests (same prompt, same deterministic sampling params) to the engine once and copy the answer to every such row.")
+    sort_by_prefix: bool = Field(True, json_schema_extra=NUMERICS, description="llmbatch: order each batch by prompt so that rows sharing a prompt prefix run together (prefix-cache hits).")
+    structured_output_errors: Optional[Literal["error", "warn", "off"]] = Field(None, description="llmbatch: check answers against their structured_outputs spec (JSON schema, regex, choice; and generation cut by max_tokens). 'error': such a row is an error row (check_output: StructuredOutputError); 'warn': keep the text and say why in the column structured_output_error; 'off': no check. Default: 'error' with should_continue_on_error (jobs), else 'warn' (a run is never stopped by it).")
 
     @model_validator(mode="before")
     @classmethod
@@ -282,6 +293,11 @@ class OfflineProcessorConfig(ProcessorConfig):
     def _check_model_source(cls, value: str) -> str:
         return check_model_source(value)
 
+    def resolved_structured_output_errors(self) -> str:
+        if self.structured_output_errors is not None:
+            return self.structured_output_errors
+        return "error" if self.should_continue_on_error else "warn"
+
     def resolved_max_concurrent_batches(self) -> int:
         if self.max_concurrent_batches is not None:
             return self.max_concurrent_batches
@@ -296,15 +312,6 @@ class vLLMEngineProcessorConfig(OfflineProcessorConfig):
     log_engine_metrics: bool = Field(False, json_schema_extra=PLACEMENT, description="Export vLLM engine metrics through Ray's Prometheus endpoint (needs Ray's metrics export port).")
     dynamic_lora_loading_path: Optional[str] = Field(None, description="Folder (local, s3:// or gs://) holding one subfolder per LoRA adapter; rows pick one with 'model'.")
     placement_group_config: Optional[dict[str, Any]] = Field(None, json_schema_extra=PLACEMENT, description="Ray placement group for each replica's workers: {'bundles': [...], 'strategy': 'PACK'} or {'bundle_per_worker': {...}}.")
-    dedup_requests: bool = Field(True, json_schema_extra=NUMERICS, description="llmbatch: send identical requests (same prompt, same deterministic sampling params) to the engine once and copy the answer to every such row.")
-    sort_by_prefix: bool = Field(True, json_schema_extra=NUMERICS, description="llmbatch: order each batch by prompt so that rows sharing a prompt prefix run together (prefix-cache hits).")
-    structured_output_errors: Optional[Literal["error", "warn", "off"]] = Field(None, description="llmbatch: check answers against their structured_outputs spec (JSON schema, regex, choice; and generation cut by max_tokens). 'error': such a row is an error row (check_output: StructuredOutputError); 'warn': keep the text and say why in the column structured_output_error; 'off': no check. Default: 'error' with should_continue_on_error (jobs), else 'warn' (a run is never stopped by it).")
-
-    def resolved_structured_output_errors(self) -> str:
-        if self.structured_output_errors is not None:
-            return self.structured_output_errors
-        return "error" if self.should_continue_on_error else "warn"
-
     @model_validator(mode="before")
     @classmethod
     def _engine_task_type(cls, data: Any) -> Any:
@@ -342,16 +349,132 @@ class vLLMEngineProcessorConfig(OfflineProcessorConfig):
 class SGLangEngineProcessorConfig(OfflineProcessorConfig):
     """A processor that runs SGLang in each replica (needs the ``sglang`` package)."""
 
-    engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="Passed to sglang.Engine as is.")
+    engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="Passed to sglang.Engine (its ServerArgs: e.g. context_length, mem_fraction_static, max_running_requests, tp_size, dp_size). vLLM's names of the same settings are mapped (max_model_len, gpu_memory_utilization, max_num_seqs, tensor_parallel_size, pipeline_parallel_size, data_parallel_size, seed, enforce_eager, enable_prefix_caching), so a vLLM config runs by changing its class; a vLLM-only setting is an error. llmbatch sets model_path from model_source, and keeps SGLang's tokenizer on (skip_tokenizer_init=False: constrained decoding needs it) unless you set it.")
     task_type: Literal["generate"] = Field("generate", description="Only 'generate' is supported with SGLang.")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _sglang_engine_kwargs(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("engine_kwargs"), dict):
+            for key in ("model", "model_path"):
+                if key in data["engine_kwargs"]:
+                    raise ConfigError(f"engine_kwargs.{key} is not used: put the model in 'model_source'.")
+            data = {**data, "engine_kwargs": sglang_engine_kwargs(data["engine_kwargs"])}
+        return data
 
-class HttpRequestProcessorConfig(ProcessorConfig):
-    """A processor that sends each row's ``payload`` to an OpenAI-compatible HTTP endpoint."""
+    def devices_per_replica(self) -> int:
+        """GPUs one replica needs: tp_size x pp_size x dp_size (SGLang's names)."""
+        kw = self.engine_kwargs
+        return int(kw.get("tp_size", 1)) * int(kw.get("pp_size", 1)) * int(kw.get("dp_size", 1))
 
-    url: str = Field(..., description="The endpoint, e.g. http://host:8000/v1/chat/completions.")
-    headers: Optional[dict[str, Any]] = Field(None, description="HTTP headers (e.g. Authorization).")
-    qps: Optional[int] = Field(None, ge=1, description="Most requests per second per worker.")
-    max_retries: int = Field(0, ge=0, description="Retries of a failed request (429, 5xx, connection errors), with exponential backoff.")
-    base_retry_wait_time_in_s: float = Field(1.0, ge=0, description="First backoff wait; doubles on each retry.")
-    should_continue_on_error: bool = Field(False, description="Turn a failing request into an error row instead of failing the run.")
+
+class HttpRequestStageConfig(StageConfig):
+    """The HTTP request stage's workers (Ray's ``http_request_stage``): batch size, concurrency,
+    resources."""
+
+
+class EndpointProcessorConfig(ProcessorConfig):
+    """Settings of processors whose model runs elsewhere: an HTTP endpoint, a Ray Serve deployment.
+
+    Rows carry their own request (Ray's contract) or ask as they do for the local engine
+    (``messages``/``prompt``, ``sampling_params``), so one job file runs against either."""
+
+    batch_size: int = Field(64, ge=1, json_schema_extra=NUMERICS, description="Rows per batch handed to each worker (Ray's default for endpoints: 64). Rows stream out of a batch as they are answered.")
+    concurrency: Concurrency = Field(1, json_schema_extra=PLACEMENT, description="Workers sending requests (an int, or a (min, max) range). Each keeps up to max_concurrent_requests requests in flight.")
+    model: Optional[str] = Field(None, description="llmbatch: the model name sent with rows that ask with messages/prompt (a job's model.source); a row's own 'model' wins.")
+    max_concurrent_requests: int = Field(64, ge=1, json_schema_extra=PLACEMENT, description="llmbatch: most requests one worker keeps in flight. HTTP: halved when the endpoint answers 429/503 and raised back one by one as answers arrive.")
+    max_concurrent_batches: Optional[int] = Field(None, ge=1, json_schema_extra=PLACEMENT, description="llmbatch: batches one worker works on at once (default: enough to keep max_concurrent_requests in flight).")
+    should_continue_on_error: bool = Field(False, json_schema_extra=PLACEMENT, description="Turn a failing request into an error row ('__inference_error__' has the reason: HTTP status and an excerpt of the body, timeout, dropped connection...) instead of failing the run.")
+    dedup_requests: bool = Field(True, json_schema_extra=NUMERICS, description="llmbatch: send identical deterministic requests (temperature 0 or a seed) once and copy the answer to every such row.")
+    structured_output_fields: Literal["auto", "guided"] = Field("auto", description="llmbatch, rows with messages/prompt: how choices/regex/JSON-schema constraints are sent. 'auto': JSON schemas as OpenAI's response_format, choice/regex/grammar as vLLM's structured_outputs; 'guided': guided_json/guided_choice/guided_regex/guided_grammar (vLLM before 0.11).")
+    structured_output_errors: Optional[Literal["error", "warn", "off"]] = Field(None, description="llmbatch: check answers of rows with structured_outputs against their constraint (as for the local engine). Default: 'error' with should_continue_on_error (jobs), else 'warn'.")
+
+    def resolved_structured_output_errors(self) -> str:
+        if self.structured_output_errors is not None:
+            return self.structured_output_errors
+        return "error" if self.should_continue_on_error else "warn"
+
+    def resolved_max_concurrent_batches(self) -> int:
+        if self.max_concurrent_batches is not None:
+            return self.max_concurrent_batches
+        return max(2, -(-2 * self.max_concurrent_requests // self.batch_size))
+
+
+class HttpRequestProcessorConfig(EndpointProcessorConfig):
+    """A processor that sends each row to an OpenAI-compatible HTTP endpoint: its ``payload`` as
+    it is (results in ``http_response``), or its ``messages``/``prompt`` as a chat/completions
+    request (results also in ``generated_text`` and the token columns)."""
+
+    url: str = Field(..., description="The endpoint, e.g. http://host:8000/v1/chat/completions (payload rows are posted here as they are). Rows with messages go to .../chat/completions and rows with a prompt to .../completions under the same base; the base alone (.../v1) works too.")
+    headers: Optional[dict[str, Any]] = Field(None, json_schema_extra=PLACEMENT, description="HTTP headers, e.g. {'Authorization': 'Bearer ${OPENAI_API_KEY}'}. Never logged or written to a job directory.")
+    api_key_env: Optional[str] = Field(None, json_schema_extra=PLACEMENT, description="llmbatch: the environment variable holding the API key, sent as 'Authorization: Bearer <key>' (read when the processor is built; never logged or written).")
+    qps: Optional[float] = Field(None, gt=0, json_schema_extra=PLACEMENT, description="Most requests per second for the whole processor, all workers together (in Ray: per worker). llmbatch keeps 5% under it, spaced evenly, so the limit holds over any window.")
+    tokens_per_minute: Optional[int] = Field(None, ge=1, json_schema_extra=PLACEMENT, description="llmbatch: most tokens per minute for the whole processor, counted as providers count them: the prompt (about 4 characters a token) plus max_tokens before a request is sent, and what the answer's usage reports beyond that after.")
+    max_retries: int = Field(5, ge=0, json_schema_extra=PLACEMENT, description="Retries of a request that may succeed next time: 408, 425, 429, 500, 502, 503, 504, timeouts, dropped connections, truncated or invalid bodies. Other statuses (400, 401, 404...) fail the row at once. (Ray's default is 0.)")
+    base_retry_wait_time_in_s: float = Field(1.0, ge=0, json_schema_extra=PLACEMENT, description="First backoff wait; doubles on each retry (with jitter, at most 60 s). A Retry-After (or retry-after-ms) header from the endpoint is honoured instead.")
+    request_timeout_s: float = Field(600.0, gt=0, json_schema_extra=PLACEMENT, description="llmbatch: longest wait for one complete answer; a request past it is retried (then it is the row's error).")
+    session_factory: Optional[Any] = Field(None, exclude=True, json_schema_extra=PLACEMENT, description="A callable returning an aiohttp.ClientSession to send with (Ray's field).")
+    http_request_stage: Any = Field(True, json_schema_extra=PLACEMENT, description="The HTTP stage's workers: bool, dict or HttpRequestStageConfig (batch_size, concurrency, num_cpus, memory, runtime_env).")
+
+    @model_validator(mode="after")
+    def _typed_stage(self) -> "HttpRequestProcessorConfig":
+        stage = self.http_request_stage
+        if not isinstance(stage, HttpRequestStageConfig):
+            object.__setattr__(self, "http_request_stage", resolve_stage_config(stage, HttpRequestStageConfig, "http_request_stage"))
+        if not self.http_request_stage.enabled:
+            raise ValueError("the HTTP request stage cannot be disabled in HttpRequestProcessorConfig")
+        return self
+
+    @field_validator("api_key_env")
+    @classmethod
+    def _key_is_set(cls, value: Optional[str]) -> Optional[str]:
+        if value is not None and not os.environ.get(value):
+            raise ValueError(f"the environment variable {value} (api_key_env) is not set; export {value}=... and run again")
+        return value
+
+    @field_validator("url")
+    @classmethod
+    def _check_url(cls, value: str) -> str:
+        if not value.startswith(("http://", "https://")):
+            raise ValueError("url must start with http:// or https://, e.g. http://localhost:8000/v1/chat/completions")
+        return value
+
+
+class ServeDeploymentProcessorConfig(EndpointProcessorConfig):
+    """A processor that sends each row to an engine deployed with Ray Serve, shared by every
+    processor that names it (multi-turn and agentic flows): rows carry ``method``, ``dtype``
+    and ``request_kwargs`` (Ray's contract), or ``messages``/``prompt``."""
+
+    deployment_name: str = Field(..., description="The Serve deployment to send to (build_llm_deployment's name).")
+    app_name: str = Field("default", description="The Serve application it belongs to (serve.run(..., name=...)).")
+    dtype_mapping: Optional[dict[str, Any]] = Field(None, description="Request classes by name: a row's 'dtype' picks one and request_kwargs build it (e.g. {'ChatCompletionRequest': ChatCompletionRequest}); rows without dtype send a dict.")
+    request_timeout_s: Optional[float] = Field(None, gt=0, json_schema_extra=PLACEMENT, description="Longest wait for one answer; past it the row fails with EndpointTimeoutError. None: wait as long as it takes.")
+
+
+class LLMConfig(_Config):
+    """A model to deploy with Ray Serve for ServeDeploymentProcessorConfig (the fields of Ray Serve
+    LLM's LLMConfig that llmbatch reads)."""
+
+    model_loading_config: dict[str, Any] = Field(..., description="{'model_id': name clients use, 'model_source': the model (an offline alias, folder, hub id...)}.")
+    engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="Passed to the vLLM engine as is, as in vLLMEngineProcessorConfig (CPU defaults filled in the same way).")
+    deployment_config: dict[str, Any] = Field(default_factory=dict, description="Ray Serve deployment options: num_replicas, autoscaling_config, max_ongoing_requests, ray_actor_options...")
+    accelerator_type: Optional[str] = Field(None, description="The accelerator type the replicas need (e.g. 'L4').")
+    runtime_env: Optional[dict[str, Any]] = Field(None, description="Ray runtime environment for the replicas.")
+
+    @field_validator("model_loading_config")
+    @classmethod
+    def _check_loading(cls, value: dict[str, Any]) -> dict[str, Any]:
+        if not value.get("model_source") and not value.get("model_id"):
+            raise ValueError("give model_loading_config.model_source (the model) and model_id (its name for clients)")
+        unknown = set(value) - {"model_id", "model_source", "served_model_name", "tokenizer_source"}
+        if unknown:
+            raise ValueError(f"unknown keys {sorted(unknown)}; use model_id and model_source")
+        return value
+
+    def model_id(self) -> str:
+        c = self.model_loading_config
+        return str(c.get("model_id") or c.get("served_model_name") or c["model_source"])
+
+    def model_source(self) -> str:
+        c = self.model_loading_config
+        return str(c.get("model_source") or c["model_id"])

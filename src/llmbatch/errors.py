@@ -32,8 +32,8 @@ class ModelNotFoundError(ConfigError):
 class MissingDependencyError(LLMBatchError, ImportError):
     """An optional dependency is needed for what was asked; the message has the pip command."""
 
-    def __init__(self, what: str, pip_name: str):
-        super().__init__(f"{what} needs the package '{pip_name}': pip install {pip_name}")
+    def __init__(self, what: str, pip_name: str, command: str | None = None):
+        super().__init__(f"{what} needs the package '{pip_name}': {command or 'pip install ' + pip_name}")
 
 
 class ResourceError(LLMBatchError):
@@ -79,6 +79,36 @@ class EngineStartError(LLMBatchError):
 
 class EngineDiedError(LLMBatchError):
     """The engine died again and again while running a row; the row gave up."""
+
+
+class EndpointError(LLMBatchError):
+    """An endpoint (an OpenAI-compatible HTTP server, a Ray Serve deployment) gave no usable
+    answer for a row: the message says what it answered (status, body excerpt) and after how
+    many attempts."""
+
+
+class HttpStatusError(EndpointError):
+    """The endpoint answered with an error status (e.g. 400 for a bad request, or 429/5xx
+    still after every retry); the message has the status and an excerpt of the body."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.status))
+
+
+class EndpointTimeoutError(EndpointError):
+    """No complete answer within the request timeout, on every attempt."""
+
+
+class EndpointConnectionError(EndpointError):
+    """The connection failed or dropped (refused, reset, closed mid-answer) on every attempt."""
+
+
+class InvalidResponseError(EndpointError):
+    """The endpoint answered 2xx with a body that is not the JSON expected (invalid, truncated)."""
 
 
 class StallError(LLMBatchError):

@@ -23,7 +23,7 @@ from llmbatch.config import (
     ProcessorConfig,
     StageConfig,
 )
-from llmbatch.errors import ConfigError
+from llmbatch.errors import ConfigError, ResourceError
 from llmbatch.rows import PRIVATE_PREFIX, ROW_ID
 from llmbatch.stages.base import Stage
 from llmbatch.stages.runner import StageRunner
@@ -84,6 +84,9 @@ class Layout:
     stall_timeout_s: float | None = None
     keep_private: tuple[str, ...] = ()
     encoded_output: bool = False
+    needs_gpu: bool = False  # an engine with no CPU build (SGLang)
+    #: the engine workers' own resources (num_cpus, memory) where a stage config sets them
+    engine_resources: dict[str, Any] | None = None
 
 
 @dataclass
@@ -157,7 +160,7 @@ class Processor:
         lay = self.layout
         lo, hi = lay.concurrency
         remote: dict[str, Any] = {}
-        use_gpu = cluster.get("GPU", 0) > 0
+        use_gpu = cluster.get("GPU", 0) > 0 and lay.devices_per_replica > 0
         if use_gpu:
             remote["num_gpus"] = lay.devices_per_replica
             remote["num_cpus"] = 1
@@ -170,6 +173,7 @@ class Processor:
         if lay.engine_remote_args_fn is not None and use_gpu:
             remote["ray_remote_args_fn"] = lay.engine_remote_args_fn
             remote.pop("num_gpus", None)
+        remote.update(lay.engine_resources or {})
         in_flight = lay.max_tasks_in_flight or 2 * lay.max_concurrent_batches
         return Operator("engine", [lay.engine], lay.batch_size, lo, hi, remote, in_flight, lay.max_concurrent_batches)
 
@@ -209,7 +213,12 @@ class Processor:
         cluster = ray.cluster_resources()
         if lay.accelerator_type:
             check_accelerator(lay.accelerator_type, cluster)
+        if lay.needs_gpu and not cluster.get("GPU"):
+            raise ResourceError(f"{type(self.config).__name__} needs a GPU and this Ray cluster has none; "
+                                "run it on a GPU machine or cluster, or use vLLMEngineProcessorConfig here")
         _check_input_columns(dataset)
+        for stage in self.stages:
+            stage.prepare()
         ds = ray.data.Dataset.copy(dataset, _deep_copy=True)
         ctx = ds.context  # this dataset's own copy: nothing global changes
         ctx.raise_original_map_exception = True  # a RowError reaches the caller as itself

@@ -48,6 +48,8 @@ class Progress:
         self.label = label
         self.started = time.time()
         self.first_row_at: float | None = None
+        #: moments of the run (``ray_ready``...) that stats.json turns into start-up phases
+        self.marks: dict[str, float] = {}
         self.ok = 0
         self.errors = 0
         self.in_tokens = 0

@@ -35,9 +35,38 @@ _URL = re.compile(r"\b[a-zA-Z][a-zA-Z0-9+.-]*://[^\s'\"<>]+")
 _BEARER = re.compile(r"\b(Bearer|Basic|Token)\s+[A-Za-z0-9._~+/=-]{8,}", re.IGNORECASE)
 
 
+class Secret:
+    """A secret value that shows as :data:`REDACTED` wherever it is printed, logged or
+    written (``str``, ``repr``, JSON); ``.value`` is the secret itself."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: str):
+        self.value = value
+
+    def __repr__(self) -> str:
+        return REDACTED
+
+    __str__ = __repr__
+
+    def __eq__(self, other: Any) -> bool:
+        return isinstance(other, Secret) and other.value == self.value
+
+    def __hash__(self) -> int:
+        return hash(self.value)
+
+
+def reveal(value: Any) -> Any:
+    """The value behind a :class:`Secret` (other values as they are)."""
+    return value.value if isinstance(value, Secret) else value
+
+
 def is_secret_key(key: Any) -> bool:
-    """Whether a key's name says its value is a secret (``max_num_batched_tokens`` is not)."""
+    """Whether a key's name says its value is a secret (``max_num_batched_tokens`` is not; nor is
+    ``api_key_env``, which holds the name of the variable with the secret, not the secret)."""
     words = [w for w in re.split(r"[^a-z0-9]+", str(key).lower()) if w]
+    if words and words[-1] == "env":
+        return False
     if any(w in SECRET_WORDS for w in words):
         return True
     return any(a in words and b in words for a, b in SECRET_PAIRS)
@@ -73,6 +102,8 @@ def redact_text(text: Any) -> Any:
 def redact(value: Any, key: Any = None) -> Any:
     """A copy of ``value`` (dicts, lists, strings) with every secret replaced by
     :data:`REDACTED`. ``${VAR}`` references are kept: they name a secret, they are not one."""
+    if isinstance(value, Secret):
+        return REDACTED
     if key is not None and is_secret_key(key) and value not in (None, "", {}, []):
         if isinstance(value, str) and _ENV_REF.fullmatch(value.strip()):
             return value

@@ -45,6 +45,12 @@ POOLING_OUTPUT_COLUMNS = (
     "request_id",
     "batch_uuid",
 )
+#: Columns an endpoint engine (HTTP, Ray Serve) writes on a row that carried its own request
+#: (``payload`` / ``request_kwargs``, Ray's contract): the response as it came (``http_response``;
+#: a Serve deployment's response fields are merged into the row instead, as in Ray) and the token
+#: usage it reported. Rows with ``messages``/``prompt`` get the generate columns as well.
+HTTP_OUTPUT_COLUMNS = ("http_response", "num_input_tokens", "num_generated_tokens", "time_taken_llm", "request_id",
+                       "batch_uuid")
 #: Columns each task writes on every row (classify adds ``probs`` and ``label``, which Ray
 #: lacks; score adds the float ``score``).
 TASK_OUTPUT_COLUMNS = {
@@ -53,7 +59,7 @@ TASK_OUTPUT_COLUMNS = {
     "classify": POOLING_OUTPUT_COLUMNS + ("probs", "label"),
     "score": POOLING_OUTPUT_COLUMNS + ("score",),
 }
-ENGINE_OUTPUT_COLUMNS = tuple(dict.fromkeys(c for cols in TASK_OUTPUT_COLUMNS.values() for c in cols))
+ENGINE_OUTPUT_COLUMNS = tuple(dict.fromkeys(c for cols in (*TASK_OUTPUT_COLUMNS.values(), HTTP_OUTPUT_COLUMNS) for c in cols))
 #: Keys a scoring row may hold its pair in (Ray's ``text_1``/``text_2``, or ``query``/``document``).
 PAIR_KEYS = (("text_1", "text_2"), ("query", "document"))
 
@@ -82,6 +88,10 @@ REQUEST_COLUMNS = (
     "mm_processor_kwargs",
     "multimodal_uuids",
     "tokenization_kwargs",
+    "payload",
+    "request_kwargs",
+    "method",
+    "dtype",
 )
 
 #: vLLM ``SamplingParams`` fields (vLLM 0.26-0.32) plus older names still accepted by some

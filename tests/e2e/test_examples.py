@@ -34,7 +34,8 @@ def test_every_example_is_covered():
     jobs = sorted(p.name for p in EXAMPLES.glob("*.yaml"))
     scripts = sorted(p.name for p in EXAMPLES.glob("*.py") if p.name != "notes.py")
     assert jobs == ["classify.yaml", "embed.yaml", "industry.yaml", "score.yaml", "welcome_notes.yaml"]
-    assert scripts == ["captioning.py", "quickstart.py", "vision_qa.py"]
+    # openai_endpoint.py runs in test_http_vllm.py (against vllm serve), shared_engine.py in test_serve.py
+    assert scripts == ["captioning.py", "openai_endpoint.py", "quickstart.py", "shared_engine.py", "vision_qa.py"]
 
 
 def test_industry_example(ray_cluster, smollm2, sample_csv, tmp_path):
@@ -51,6 +52,12 @@ def test_industry_example(ray_cluster, smollm2, sample_csv, tmp_path):
 
     choices = yaml.safe_load((EXAMPLES / "industry.yaml").read_text())["prompt"]["choices"]
     assert all(v in choices for v in table.column("industry").to_pylist())
+    # where the CLI process's time went, phase by phase, each one measured
+    phases = json.loads((tmp_path / "industries.parquet.job" / "stats.json").read_text())["phases_s"]
+    steps = ["process", "prepare_job", "ray_start", "replica_placement", "engine_start", "first_answer", "rows", "output"]
+    assert all(phases[k] is not None and phases[k] >= 0 for k in steps + ["ingest", "to_first_row", "total"]), phases
+    assert phases["engine_start"] > 0.5 and phases["process"] > 0.1, phases  # a model load, Python's imports
+    assert abs(sum(phases[k] for k in steps) - phases["total"]) < 0.5, phases
 
 
 def test_welcome_notes_example(ray_cluster, smollm2, sample_csv, tmp_path):

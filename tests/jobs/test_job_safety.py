@@ -188,3 +188,28 @@ def test_function_and_model_identity_cover_what_changes_answers(tmp_path):
     third = result_fields(load_job(tmp_path / "job.yaml"))
     assert third["model.fingerprint.files.model.safetensors"] == 101 and third != second
     assert str(tmp_path) not in sys.path  # the job's folder is not left on sys.path
+
+
+def test_resume_never_reruns_error_rows_and_retry_errors_runs_only_them(tmp_path, monkeypatch):
+    # the README's promise: `resume` counts an error row as done (it stays in errors.jsonl);
+    # only `retry-errors` asks again, and only for those rows
+    import llmbatch.jobs.run as run_module
+
+    spec, job = staged_job(tmp_path, error_ids={3, 7})
+    result = run_job(job.root, quiet=True)
+    assert result.ok
+    out, errs = ids_in_output_and_errors(spec, job)
+    assert sorted(errs) == [4, 8] and sorted(out + errs) == list(range(1, ROWS + 1))
+    assert "resume: 0 rows to do" in (job.root / "log.txt").read_text()
+
+    asked = []
+
+    def execute(job_dir, spec, meta, todo, done, progress):
+        asked.extend(int(i) for i in todo.nonzero()[0])
+        raise KeyboardInterrupt  # stop there: no engine in this test
+
+    monkeypatch.setattr(run_module, "execute", execute)
+    assert run_job(job.root, quiet=True).state == "finished"  # a second resume: nothing to run
+    assert asked == []
+    assert run_job(job.root, retry_errors=True, quiet=True).state == "stopped"
+    assert asked == [3, 7]

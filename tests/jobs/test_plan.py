@@ -33,3 +33,24 @@ def test_plan_counts(tmp_path, smollm2):
     assert plan["shared_prefix_token_share"] > 0.2  # system prompt + template shared (the long row is not)
     assert plan["estimate"] == {"method": "given throughput", "rows_per_s": 2.0, "seconds": 9.0}
     assert plan["peak_memory_mib"] > 0
+
+
+def test_plan_for_a_hosted_endpoint_estimates_tokens_and_time_from_its_limits(tmp_path):
+    (tmp_path / "c.csv").write_text("Index,Company\n" + "".join(f"{i},{'Acme' if i < 3 else f'Co {i}'}\n"
+                                                               for i in range(1, 101)))
+    (tmp_path / "job.yaml").write_text(textwrap.dedent("""
+        input: {path: c.csv, id_column: Index}
+        model: {processor: http, source: gpt-4o-mini, url: "https://api.example.com/v1", qps: 10,
+                tokens_per_minute: 6000}
+        prompt: {user: "Which industry is {Company} in?"}
+        sampling_params: {temperature: 0, max_tokens: 8}
+        output: {path: out.parquet}
+    """))
+    plan = plan_job(load_job(tmp_path / "job.yaml"))
+    assert plan["rows"] == 100 and plan["duplicate_requests"] == 1 and plan["prompt_tokens_estimated"]
+    assert plan["max_model_len"] is None and plan["shared_prefix_token_share"] is None
+    per_row = plan["prompt_tokens"]["median"] + 8      # ~4 characters a token, plus max_tokens
+    assert 10 <= plan["prompt_tokens"]["median"] <= 20
+    assert plan["estimate"]["method"].startswith("rate limits")
+    # the tokens bind (6000/min = 100/s), not the 10 requests/s
+    assert abs(plan["estimate"]["seconds"] - 100 * per_row / 100 * 1.05) < 3

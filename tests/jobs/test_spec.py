@@ -127,3 +127,41 @@ def test_result_fields_ignore_performance_settings(job_file):
     assert a == b
     assert numerics_fields(load_job(job_file)) != numerics_fields(
         load_job(job_file, overrides=["model.engine_kwargs.max_num_seqs=8"]))
+
+
+HTTP_MODEL = """
+model:
+  processor: http
+  source: gpt-4o-mini
+  url: https://api.example.com/v1/chat/completions
+  api_key_env: LLMBATCH_TEST_KEY
+  headers: {OpenAI-Organization: org-1, X-Secret-Token: "${LLMBATCH_TEST_TOKEN}"}
+  qps: 5
+  tokens_per_minute: 100000
+"""
+
+
+def test_the_same_job_runs_against_an_endpoint_by_changing_the_model_section(job_file, tmp_path, monkeypatch):
+    import json
+
+    from llmbatch.jobs.spec import redacted_spec
+
+    monkeypatch.setenv("LLMBATCH_TEST_KEY", "sk-from-env-0123456789")
+    monkeypatch.setenv("LLMBATCH_TEST_TOKEN", "tok-0123456789abcdef")
+    text = job_file.read_text().replace(
+        "model: {source: smollm2-135m-instruct, engine_kwargs: {max_model_len: 512}, concurrency: 1}", HTTP_MODEL)
+    spec = load_job(write_job(tmp_path, text))
+    config = spec.processor_config()
+    assert config.model == "gpt-4o-mini" and config.qps == 5 and config.should_continue_on_error
+    written = json.dumps(redacted_spec(spec))
+    assert "sk-from-env" not in written and "tok-0123" not in written
+    assert "${LLMBATCH_TEST_TOKEN}" in written and "LLMBATCH_TEST_KEY" in written  # names kept for resume
+    fields = result_fields(spec)
+    assert fields["model.url"] == "https://api.example.com/v1/chat/completions"
+    assert not any(k.startswith(("model.headers", "model.qps", "model.api_key_env")) for k in fields)
+    # limits and keys may change between runs; the endpoint and the model decide answers
+    faster = load_job(write_job(tmp_path, text.replace("qps: 5", "qps: 50")))
+    assert result_fields(faster) == fields
+    monkeypatch.delenv("LLMBATCH_TEST_KEY")
+    with pytest.raises(ConfigError, match="LLMBATCH_TEST_KEY"):
+        load_job(write_job(tmp_path, text))

@@ -1,5 +1,8 @@
 """The engine protocol: start, turn a row into a request, run a request, close.
 
+Engines: vLLM in the replica (``engines/vllm.py``), an OpenAI-compatible HTTP endpoint
+(``engines/http.py``), a shared Ray Serve deployment (``engines/serve.py``).
+
 The engine stage (``llmbatch.stages.engine``) owns everything around it: per-row errors,
 bounded in-flight requests, deduplication, ordering, streaming rows out, and restarting a dead
 engine. An engine only needs these methods.
@@ -30,6 +33,13 @@ class Engine(Protocol):
 
     #: How many requests the engine runs at once (its ``max_num_seqs``); known after start.
     capacity: int
+    #: Optional: alternative key sets a row must carry (one key of each tuple); default
+    #: ``(("tokenized_prompt", "prompt"),)``.
+    required_any: tuple[tuple[str, ...], ...]
+
+    def prepare(self) -> None:
+        """Optional, in the driver when the processor runs (before the engine is shipped to its
+        replicas): create what all replicas share, e.g. an endpoint's rate schedule."""
 
     async def start(self) -> None:
         """Start the engine; raise :class:`~llmbatch.errors.EngineStartError` with the reason."""

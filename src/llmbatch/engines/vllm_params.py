@@ -59,19 +59,10 @@ def request_digest(prompt: list[int] | str, canonical: Any, lora: str | None) ->
     return h.digest()
 
 
-def structured_outputs(spec: Any):
-    from vllm.sampling_params import StructuredOutputsParams
-
-    if isinstance(spec, StructuredOutputsParams):
-        return spec
-    if not isinstance(spec, dict):
-        raise RowValidationError(f"structured_outputs must be a dict (e.g. {{'choice': [...]}}), got {type(spec).__name__}")
-    spec = {k: v for k, v in spec.items() if v is not None}
-    spec.pop("backend", None)  # legacy guided_decoding field; the engine picks the backend
-    known = [f for f in StructuredOutputsParams.__dataclass_fields__ if not f.startswith("_")]
-    for key in spec:
-        if key not in known:
-            raise RowValidationError(f"unknown structured_outputs key '{key}'{_suggest(key, known)}; known: {', '.join(known)}")
+def validate_structured(spec: dict[str, Any]) -> dict[str, Any]:
+    """Check a structured-output spec's json schema, regex and choice list (any engine); a
+    JSON schema given as a string comes back parsed."""
+    spec = dict(spec)
     if "json" in spec:
         schema = spec["json"]
         if isinstance(schema, str):
@@ -97,6 +88,23 @@ def structured_outputs(spec: Any):
         choice = spec["choice"]
         if not isinstance(choice, list) or not choice or not all(isinstance(c, str) for c in choice):
             raise RowValidationError("structured_outputs.choice must be a non-empty list of strings")
+    return spec
+
+
+def structured_outputs(spec: Any):
+    from vllm.sampling_params import StructuredOutputsParams
+
+    if isinstance(spec, StructuredOutputsParams):
+        return spec
+    if not isinstance(spec, dict):
+        raise RowValidationError(f"structured_outputs must be a dict (e.g. {{'choice': [...]}}), got {type(spec).__name__}")
+    spec = {k: v for k, v in spec.items() if v is not None}
+    spec.pop("backend", None)  # legacy guided_decoding field; the engine picks the backend
+    known = [f for f in StructuredOutputsParams.__dataclass_fields__ if not f.startswith("_")]
+    for key in spec:
+        if key not in known:
+            raise RowValidationError(f"unknown structured_outputs key '{key}'{_suggest(key, known)}; known: {', '.join(known)}")
+    spec = validate_structured(spec)
     try:
         return StructuredOutputsParams(**spec)
     except Exception as exc:  # noqa: BLE001

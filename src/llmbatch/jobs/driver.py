@@ -62,7 +62,8 @@ class Committer:
         self.buffered = 0
         self.last_commit = time.monotonic()
         self.duplicates = 0
-        self.json_columns: set[str] = {"messages", "completions"}
+        # columns of free-form JSON (an endpoint's whole answer) are kept as JSON text
+        self.json_columns: set[str] = {"messages", "http_response", "completions"}
 
     def add(self, encoded: pa.Table) -> None:
         if encoded.num_rows == 0:
@@ -215,6 +216,7 @@ def execute(job_dir: JobDir, spec: JobSpec, meta: JobMeta, todo: np.ndarray, don
     """Run passes until every row is committed (or recorded as lost); translate failures."""
     # worker output (engine start-up chatter) goes to Ray's log files, not the terminal
     ensure_ray(log_to_driver=False)
+    progress.marks.setdefault("ray_ready", time.time())
     with quiet_ray_data():
         for attempt in range(MAX_PASSES):
             if attempt:

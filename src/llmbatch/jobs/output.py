@@ -80,7 +80,10 @@ def output_columns(job: JobDir, spec: JobSpec, meta: JobMeta) -> tuple[list[str]
             seen.update(dict.fromkeys(_public(s.names)))
         return list(seen), schemas
     inputs = [rename.get(c, c) for c in meta.columns]
-    engine = [rename.get(c, c) for c in DEFAULT_ENGINE_COLUMNS]
+    defaults = DEFAULT_ENGINE_COLUMNS
+    if rename.get("generated_text", "generated_text") not in present:  # rows that sent their own request (payload): the whole answer
+        defaults = ("http_response",) + defaults
+    engine = [rename.get(c, c) for c in defaults]
     for name in inputs + engine:
         if name in present:
             seen[name] = None
@@ -248,7 +251,42 @@ def build_stats(job: JobDir, meta: JobMeta, counts: dict[str, int], totals: Tall
         "steady_s": round(steady, 2) if steady else None,
         "steady_rows_per_s": rate(this_rows, steady),
         "steady_generated_tokens_per_s": rate(run_info.get("generated_tokens", 0), steady),
+        "phases_s": startup_phases(run_info, totals),
+        # this run's first request handed to an engine (epoch seconds): where the engines' window starts
+        "first_request_at": min((t for t in totals.first_request_at if t >= run_info["started_at"]), default=None),
         "runs": meta.runs,
         "finished_at": time.time(),
         "last_progress": progress.snapshot(),
     }
+
+
+def startup_phases(run_info: dict[str, Any], totals: Tally) -> dict[str, float | None]:
+    """Where this run's time went, in order, each phase from the end of the one before (None
+    where it did not happen in this run): the process up to ``run_job`` (imports, the CLI),
+    preparing the job (its lock, reading the input the first time: ``ingest``, its state),
+    starting Ray, Ray Data's plan and the replicas until one began to start its engine, that
+    engine's start (model load, compile, KV cache), the first answer after it, the rows until the
+    last one committed, and writing the output. ``to_first_row`` and ``total`` count from the
+    process start: what a user waits for."""
+    marks = run_info.get("marks") or {}
+    now = time.time()
+    began = [t for t in totals.start_at if t >= run_info["started_at"]]
+    ready = [t for t in totals.ready_at if t >= run_info["started_at"]]
+    points = [
+        ("process", marks.get("process_start")),
+        ("prepare_job", marks.get("entered")),
+        ("ray_start", run_info["started_at"]),
+        ("replica_placement", marks.get("ray_ready")),
+        ("engine_start", min(began) if began else None),
+        ("first_answer", min(ready) if ready else None),
+        ("rows", marks.get("first_row")),
+        ("output", run_info["ended_at"]),
+    ]
+    phases: dict[str, float | None] = {}
+    for (name, start), (_, end) in zip(points, points[1:] + [("end", now)]):
+        phases[name] = round(end - start, 2) if start is not None and end is not None and end >= start else None
+    phases["ingest"] = round(marks["ingest_s"], 2) if marks.get("ingest_s") is not None else None
+    first, origin = marks.get("first_row"), marks.get("process_start")
+    phases["to_first_row"] = round(first - origin, 2) if first and origin else None
+    phases["total"] = round(now - origin, 2) if origin else None
+    return phases

@@ -6,7 +6,9 @@ tokenizes it with the model's tokenizer, and reports rows, prompt tokens (min/me
 rows that cannot fit ``max_model_len``, duplicate requests (answered once with dedup), the
 share of prompt tokens in prefixes shared with an earlier prompt (prefix-cache hits, in the
 engine's 16-token blocks), and an estimate of the run time from a given throughput or a
-short calibration run.
+short calibration run. For an endpoint (``processor: http`` or ``serve``) whose model is not
+a local one, prompt tokens are estimated as the endpoint's rate limits count them (about four
+characters a token), and the run time follows from its ``qps``/``tokens_per_minute``.
 """
 
 from __future__ import annotations
@@ -19,13 +21,15 @@ from typing import Any
 import numpy as np
 
 from llmbatch.codec import digest64
+from llmbatch.config import EndpointProcessorConfig
+from llmbatch.engines.openai_api import estimate_tokens
 from llmbatch.errors import ConfigError
 from llmbatch.io.openai_batch import read_openai_batch
 from llmbatch.io.readers import READ_ERROR, read_rows
 from llmbatch.jobs.openai_batch import batch_options, is_openai_batch
 from llmbatch.jobs.prompts import check_prompt_fields, job_preprocess
 from llmbatch.jobs.run import run_job
-from llmbatch.jobs.spec import JobSpec, load_job
+from llmbatch.jobs.spec import PROCESSOR_CONFIGS, JobSpec, load_job
 from llmbatch.models import load_tokenizer, model_max_len, resolve_model
 from llmbatch.rows import DEFAULT_MAX_TOKENS, normalize_messages
 
@@ -46,15 +50,22 @@ def _max_model_len(spec: JobSpec, model_path: str) -> int | None:
 def plan_job(spec: JobSpec, *, throughput: float | None = None, calibrate_rows: int = 0) -> dict[str, Any]:
     """The plan for ``spec`` (see module docstring)."""
     started = time.perf_counter()
-    model_path = resolve_model(spec.model.source)
-    tokenizer = load_tokenizer(spec.model.source)
-    max_len = _max_model_len(spec, model_path)
+    endpoint = issubclass(PROCESSOR_CONFIGS[spec.model.processor], EndpointProcessorConfig)
+    try:
+        model_path = resolve_model(spec.model.source)
+        tokenizer = load_tokenizer(spec.model.source)
+    except Exception:  # noqa: BLE001 - a hosted model's name: estimate its tokens instead
+        if not endpoint:
+            raise
+        model_path = tokenizer = None
+    max_len = _max_model_len(spec, model_path) if model_path else None
     build = _request_builder(spec)
     generate = spec.resolved_task() == "generate"
     counts: list[np.ndarray] = []
     request_hashes: list[np.ndarray] = []
     block_hashes: list[np.ndarray] = []
     max_tokens: list[np.ndarray] = []
+    estimated: list[int] = []
     rows = read_errors = bad_rows = 0
     checked_fields = False
     if is_openai_batch(spec):
@@ -76,7 +87,10 @@ def plan_job(spec: JobSpec, *, throughput: float | None = None, calibrate_rows: 
                 continue
             try:
                 req = build(row)
-                if req.get("messages") is not None:
+                if req.get("messages") is not None and tokenizer is None:
+                    text, special = json.dumps(normalize_messages(req["messages"])), False
+                    estimated.append(estimate_tokens({"messages": normalize_messages(req["messages"])}))
+                elif req.get("messages") is not None:
                     messages = normalize_messages(req["messages"])
                     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
                     special = False
@@ -84,6 +98,8 @@ def plan_job(spec: JobSpec, *, throughput: float | None = None, calibrate_rows: 
                     text, special = f"{req['text_1']}\n{req['text_2']}", True
                 else:
                     text, special = str(req["prompt"]), True
+                    if tokenizer is None:
+                        estimated.append(estimate_tokens({"prompt": text}))
             except Exception:  # noqa: BLE001 - a row the job would turn into an error row
                 bad_rows += 1
                 continue
@@ -93,6 +109,12 @@ def plan_job(spec: JobSpec, *, throughput: float | None = None, calibrate_rows: 
             req_keys.append(digest64(text + "\0" + json.dumps(sp, sort_keys=True, default=str)))
             wants.append(int(sp.get("max_tokens") or DEFAULT_MAX_TOKENS) if generate else 0)  # pooling: none
         if not prompts:
+            continue
+        if tokenizer is None:
+            counts.append(np.asarray(estimated, dtype=np.int32))
+            estimated.clear()
+            request_hashes.append(np.asarray(req_keys, dtype=np.uint64))
+            max_tokens.append(np.asarray(wants, dtype=np.int32))
             continue
         ids_list = [None] * len(prompts)
         for special in (False, True):
@@ -143,15 +165,29 @@ def plan_job(spec: JobSpec, *, throughput: float | None = None, calibrate_rows: 
         "rows_where_max_tokens_does_not_fit": no_room,
         "duplicate_requests": answered - unique_requests,
         "unique_requests": unique_requests,
-        "shared_prefix_token_share": round(shared_tokens / total_tokens, 4) if total_tokens else 0.0,
+        "shared_prefix_token_share": (round(shared_tokens / total_tokens, 4) if total_tokens else 0.0)
+        if tokenizer is not None else None,
+        "prompt_tokens_estimated": tokenizer is None,
         "max_output_tokens": int(wants_all.sum()),
     }
     estimate = _estimate(spec, unique_requests, throughput, calibrate_rows)
+    if endpoint and not throughput and not calibrate_rows:
+        estimate = _limits_estimate(spec, unique_requests, total_tokens + int(wants_all.sum())) or estimate
     if estimate:
         plan["estimate"] = estimate
     plan["plan_seconds"] = round(time.perf_counter() - started, 1)
     plan["peak_memory_mib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
     return plan
+
+
+def _limits_estimate(spec: JobSpec, requests: int, tokens: int) -> dict[str, Any] | None:
+    """The least time an endpoint's rate limits allow (every request and its tokens counted)."""
+    fields = spec.model.processor_fields()
+    qps, tpm = fields.get("qps"), fields.get("tokens_per_minute")
+    if not qps and not tpm:
+        return None
+    seconds = max(requests / float(qps) if qps else 0.0, tokens * 60.0 / float(tpm) if tpm else 0.0)
+    return {"method": "rate limits (qps, tokens_per_minute), at best", "seconds": round(seconds * 1.05, 1)}
 
 
 def _estimate(spec: JobSpec, unique_requests: int, throughput: float | None, calibrate_rows: int) -> dict[str, Any] | None:

@@ -10,7 +10,10 @@ from llmbatch.config import (
     ChatTemplateStageConfig,
     DetokenizeStageConfig,
     HttpRequestProcessorConfig,
+    HttpRequestStageConfig,
+    LLMConfig,
     PrepareMultimodalStageConfig,
+    ServeDeploymentProcessorConfig,
     SGLangEngineProcessorConfig,
     TokenizerStageConfig,
     vLLMEngineProcessorConfig,
@@ -18,8 +21,11 @@ from llmbatch.config import (
 from llmbatch.jobs.spec import InputSpec, JobSpec, ModelSpec, OutputSpec, PromptSpec
 
 SECTIONS = [
-    ("Processor configs", [vLLMEngineProcessorConfig, SGLangEngineProcessorConfig, HttpRequestProcessorConfig]),
-    ("Stage configs", [ChatTemplateStageConfig, TokenizerStageConfig, DetokenizeStageConfig, PrepareMultimodalStageConfig]),
+    ("Processor configs", [vLLMEngineProcessorConfig, SGLangEngineProcessorConfig, HttpRequestProcessorConfig,
+                           ServeDeploymentProcessorConfig]),
+    ("Stage configs", [ChatTemplateStageConfig, TokenizerStageConfig, DetokenizeStageConfig, PrepareMultimodalStageConfig,
+                       HttpRequestStageConfig]),
+    ("Serve deployments", [LLMConfig]),
     ("Job files", [JobSpec, InputSpec, ModelSpec, PromptSpec, OutputSpec]),
 ]
 

@@ -101,6 +101,16 @@ def open_job(job: JobDir, spec: JobSpec, *, force: bool = False, allow_config_ch
     return meta
 
 
+def process_start_time() -> float | None:
+    """When this process started (the clock a user's wait starts on), or None if unknown."""
+    try:
+        import psutil
+
+        return psutil.Process().create_time()
+    except Exception:  # noqa: BLE001 - a figure, never a failure
+        return None
+
+
 def _started(job: JobDir) -> bool:
     try:
         return job.meta().ingested
@@ -150,20 +160,25 @@ def run_job(job: JobSpec | str | os.PathLike, *, overrides: list[str] | None = N
     may change the config for them). Ctrl-C stops cleanly: what was answered is committed and
     ``resume`` continues. Nothing in the job directory changes before its lock is held.
     """
+    entered = time.time()
     spec = _resolve_spec(job, overrides)
     if report:
         check_report_dependencies()
     job_dir = JobDir(spec.resolved_job_dir())
     with job_dir.locked():
         meta = open_job(job_dir, spec, force=force, allow_config_change=retry_errors)
-        return _run_locked(job_dir, spec, meta, retry_errors=retry_errors, report=report, quiet=quiet, tty=tty)
+        return _run_locked(job_dir, spec, meta, retry_errors=retry_errors, report=report, quiet=quiet, tty=tty,
+                           entered=entered)
 
 
 def _run_locked(job_dir: JobDir, spec: JobSpec, meta: JobMeta, *, retry_errors: bool, report: bool,
-                quiet: bool, tty: bool | None) -> JobResult:
+                quiet: bool, tty: bool | None, entered: float) -> JobResult:
     job_dir.clean_temporaries()
+    ingest_s = None
     if not meta.ingested:
+        ingest_began = time.time()
         meta = _ingest(job_dir, spec, meta)
+        ingest_s = time.time() - ingest_began
     else:
         check_prompt_fields(spec, meta.columns)
     state = job_dir.state(meta.rows)
@@ -196,7 +211,9 @@ def _run_locked(job_dir: JobDir, spec: JobSpec, meta: JobMeta, *, retry_errors: 
         if old_sigterm is not None:
             signal.signal(signal.SIGTERM, old_sigterm)
         run_info = {"mode": mode, "started_at": started, "ended_at": time.time(), "state": state_name,
-                    **snap["this_run"]}
+                    **snap["this_run"],
+                    "marks": {"process_start": process_start_time(), "entered": entered, "ingest_s": ingest_s,
+                              "first_row": progress.first_row_at, **progress.marks}}
         meta.runs.append(run_info)
         job_dir.write_meta(meta)
     if state_name != "finished":

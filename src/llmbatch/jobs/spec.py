@@ -28,8 +28,10 @@ from pydantic import ConfigDict, Field, PrivateAttr, field_validator, model_vali
 
 from llmbatch.builders import builder_for
 from llmbatch.config import (
+    EndpointProcessorConfig,
     HttpRequestProcessorConfig,
     ProcessorConfig,
+    ServeDeploymentProcessorConfig,
     SGLangEngineProcessorConfig,
     _Config,
     vLLMEngineProcessorConfig,
@@ -49,6 +51,8 @@ PROCESSOR_CONFIGS: dict[str, type[ProcessorConfig]] = {
     "sglang": SGLangEngineProcessorConfig,
     "HttpRequestProcessorConfig": HttpRequestProcessorConfig,
     "http": HttpRequestProcessorConfig,
+    "ServeDeploymentProcessorConfig": ServeDeploymentProcessorConfig,
+    "serve": ServeDeploymentProcessorConfig,
 }
 
 
@@ -70,9 +74,9 @@ class ModelSpec(_Config):
 
     model_config = ConfigDict(extra="allow", validate_assignment=True)
 
-    source: str = Field(..., description="model_source: an offline alias, folder, hub id, s3:// folder or .gguf file.")
+    source: str = Field(..., description="model_source: an offline alias, folder, hub id, s3:// folder or .gguf file. For an endpoint (processor: http or serve): the model name sent with each request.")
     served_model_name: Optional[Union[str, list[str]]] = Field(None, description="openai-batch: the names a request's model may use besides the source (as vLLM's --served-model-name); the first is the name answers carry.")
-    processor: str = Field("vLLMEngineProcessorConfig", description="Which processor config: vLLMEngineProcessorConfig (default), SGLangEngineProcessorConfig or HttpRequestProcessorConfig.")
+    processor: str = Field("vLLMEngineProcessorConfig", description="Which processor config: vLLMEngineProcessorConfig (default, 'vllm'), SGLangEngineProcessorConfig ('sglang'), HttpRequestProcessorConfig ('http': an OpenAI-compatible endpoint, with url, api_key_env...) or ServeDeploymentProcessorConfig ('serve': a Ray Serve deployment).")
 
     @model_validator(mode="before")
     @classmethod
@@ -228,11 +232,16 @@ class JobSpec(_Config):
         cls = PROCESSOR_CONFIGS[self.model.processor]
         fields = self.model.processor_fields()
         fields["should_continue_on_error"] = self.continue_on_error
-        if self.task is not None:
+        if issubclass(cls, EndpointProcessorConfig) and self.task not in (None, "generate"):
+            raise ConfigError(f"task: {self.task!r} runs on the in-process engine only; an endpoint "
+                              f"(processor: {self.model.processor}) generates text: drop task or the endpoint")
+        if self.task is not None and not issubclass(cls, EndpointProcessorConfig):
             if fields.get("task_type", self.task) != self.task:
                 raise ConfigError(f"task: {self.task!r} and model.task_type: {fields['task_type']!r} disagree; keep one")
             fields["task_type"] = self.task
-        if cls is not HttpRequestProcessorConfig:
+        if issubclass(cls, EndpointProcessorConfig):
+            fields.setdefault("model", self.model.source)  # the model name the endpoint serves
+        else:
             fields["model_source"] = self.model.source
         if self.prompt is not None and self.prompt.image_column is not None:
             mm = fields.get("prepare_multimodal_stage")

@@ -36,6 +36,8 @@ class Tally:
     replicas: collections.Counter = field(default_factory=collections.Counter)
     restarts: dict[str, int] = field(default_factory=dict)
     ready_at: list[float] = field(default_factory=list)
+    start_at: list[float] = field(default_factory=list)  # when replicas began to start their engines
+    first_request_at: list[float] = field(default_factory=list)  # when replicas handed their engines a request
 
     @classmethod
     def of(cls, table: pa.Table, mask: np.ndarray | None = None) -> "Tally":
@@ -69,6 +71,10 @@ class Tally:
             self.replicas[name] += 1
             if s.get("ready_at"):
                 self.ready_at.append(float(s["ready_at"]))
+            if s.get("start_at"):
+                self.start_at.append(float(s["start_at"]))
+            if s.get("first_request_at"):
+                self.first_request_at.append(float(s["first_request_at"]))
             self.restarts[name] = max(self.restarts.get(name, 0), int(s.get("restarts") or 0))
 
     def progress_counts(self) -> dict[str, Any]:

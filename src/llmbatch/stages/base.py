@@ -36,6 +36,10 @@ class Stage:
 
     # -- lifecycle ---------------------------------------------------------------------------
 
+    def prepare(self) -> None:
+        """Runs in the driver each time the processor runs, before the stage is shipped to its
+        workers: create what the workers share (an endpoint's cluster-wide rate schedule)."""
+
     def setup(self) -> None:
         """Load heavy state (tokenizers). Runs once, in the worker, before first use."""
 

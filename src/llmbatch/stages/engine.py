@@ -54,6 +54,9 @@ class EngineStage(Stage):
         super().__init__()
         self.structured_output_errors = structured_output_errors
         self.engine = engine
+        # what a row must carry is the engine's to say (a prompt for vLLM; a payload, messages
+        # or a prompt for an endpoint)
+        self.required_any = getattr(engine, "required_any", type(self).required_any)
         self.max_pending_requests = max_pending_requests
         self.dedup = dedup
         self.sort_by_prefix = sort_by_prefix
@@ -61,7 +64,9 @@ class EngineStage(Stage):
         self.flush_rows = flush_rows
         self.flush_seconds = flush_seconds
         self.replica = ""
+        self.start_at = 0.0  # when this replica began to start its engine
         self.ready_at = 0.0
+        self.first_request_at = 0.0  # when this replica handed its engine its first request
         self._semaphore: asyncio.Semaphore | None = None
         self._inflight: dict[Any, asyncio.Future] = {}
         self._results: collections.OrderedDict[Any, tuple[dict[str, Any], int]] = collections.OrderedDict()
@@ -73,8 +78,15 @@ class EngineStage(Stage):
         self.in_flight = 0
         self.done = 0
 
+    def prepare(self) -> None:
+        """In the driver, when the processor runs: what the engine's replicas share."""
+        prepare = getattr(self.engine, "prepare", None)
+        if prepare is not None:
+            prepare()
+
     async def start(self) -> None:
         self.replica = f"{os.uname().nodename}:{os.getpid()}"  # the worker's, not the driver's
+        self.start_at = time.time()
         await self.engine.start()
         limit = self.max_pending_requests
         if limit is None:
@@ -108,6 +120,8 @@ class EngineStage(Stage):
             return await self._counted(request)
 
     async def _counted(self, request: Request) -> dict[str, Any]:
+        if not self.first_request_at:
+            self.first_request_at = time.time()
         self.in_flight += 1
         try:
             return await self.engine.run(request)
@@ -190,7 +204,8 @@ class EngineStage(Stage):
         row.update(result)
         row["batch_uuid"] = batch_uuid
         row[ERROR_COLUMN] = ""
-        row[STATS] = {"replica": self.replica, "cached_tokens": cached, "deduped": copied, "ready_at": self.ready_at,
+        row[STATS] = {"replica": self.replica, "cached_tokens": cached, "deduped": copied, "start_at": self.start_at,
+                      "ready_at": self.ready_at, "first_request_at": self.first_request_at,
                       "restarts": self._generation, "finished_at": time.time()}
         for key in ("sampling_params", "pooling_params", "tokenized_prompt"):
             row.pop(key, None)

@@ -65,6 +65,16 @@ class _LoopThread:
                 logger.debug("closing stage chain failed", exc_info=True)
 
 
+async def run_stages(stages: list[Stage], rows: list[Row], index: int = 0) -> AsyncIterator[list[Row]]:
+    """Run ``rows`` through ``stages[index:]``; yields rows as the stages let go of them."""
+    if index == len(stages):
+        yield rows
+        return
+    async for chunk in stages[index](rows):
+        async for out in run_stages(stages, chunk, index + 1):
+            yield out
+
+
 class StageRunner:
     """A Ray Data callable class that runs ``stages`` over each batch (see module docstring).
 
@@ -108,14 +118,6 @@ class StageRunner:
                 "in_flight": sum(getattr(s, "in_flight", 0) for s in self.stages),
                 "done": sum(getattr(s, "done", 0) for s in self.stages)}
 
-    async def _chain(self, rows: list[Row], index: int) -> AsyncIterator[list[Row]]:
-        if index == len(self.stages):
-            yield rows
-            return
-        async for chunk in self.stages[index](rows):
-            async for out in self._chain(chunk, index + 1):
-                yield out
-
     def _output_row(self, row: Row) -> dict[str, Any]:
         private = {k: row[k] for k in self.keep_private if k in row}
         if is_error(row):
@@ -144,7 +146,7 @@ class StageRunner:
 
     def __call__(self, batch: pa.Table) -> Iterator[pa.Table]:
         rows = decode_rows(batch)
-        for chunk in self._loop.iterate(self._chain(rows, 0)):
+        for chunk in self._loop.iterate(run_stages(self.stages, rows)):
             if not chunk:
                 continue
             if not self.continue_on_error:

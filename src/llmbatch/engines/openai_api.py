@@ -1,0 +1,315 @@
+"""OpenAI-compatible requests and answers, both ways.
+
+- :func:`request_body`: a row as llmbatch's other engines take it (``messages`` or ``prompt``,
+  ``sampling_params`` with ``structured_outputs``) -> an OpenAI chat/completions request body.
+  So one job file runs against the local engine or an endpoint.
+- :func:`answer_columns`: an OpenAI chat/completions response -> llmbatch's output columns
+  (``generated_text``, ``finish_reason``, token usage...).
+- :func:`row_from_request` / :func:`response_body`: the other way round, for llmbatch's own
+  Ray Serve deployment, which answers OpenAI requests with the engine stage.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import math
+import re
+import time
+import uuid
+from typing import Any
+
+from llmbatch.engines.vllm_params import check_types
+from llmbatch.errors import InvalidResponseError, RowValidationError, did_you_mean
+from llmbatch.rows import (
+    DEFAULT_MAX_TOKENS,
+    SAMPLING_PARAM_NAMES,
+    normalize_messages,
+    to_python,
+)
+
+CHAT, COMPLETIONS = "chat", "completions"
+#: Sampling params with the same name and meaning in OpenAI's API.
+OPENAI_PARAMS = ("temperature", "top_p", "max_tokens", "n", "stop", "seed", "presence_penalty", "frequency_penalty",
+                 "logit_bias")
+#: vLLM's own request fields: its OpenAI server takes them as they are (OpenAI itself refuses
+#: them, so they are sent only when a row asks for them).
+VLLM_PARAMS = ("top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
+               "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output",
+               "truncate_prompt_tokens", "bad_words", "allowed_token_ids", "prompt_logprobs", "thinking_token_budget",
+               "repetition_detection", "logprob_token_ids")
+#: Engine-side settings with no meaning for an endpoint.
+LOCAL_ONLY_PARAMS = ("detokenize", "output_text_buffer_length", "stream_interval", "flat_logprobs",
+                     "skip_reading_prefix_cache", "extra_args", "watermarking", "prompt_logprob_token_ids",
+                     "prompt_logprob_start")
+#: structured_outputs keys and where an endpoint takes them.
+STRUCTURED_KEYS = ("json", "json_object", "choice", "regex", "grammar", "structural_tag", "whitespace_pattern")
+#: How constraints are sent: "auto" (JSON schemas as OpenAI's response_format, choice/regex/
+#: grammar as vLLM's structured_outputs) or "guided" (vLLM before 0.11 and servers that copy it:
+#: guided_json, guided_choice, guided_regex, guided_grammar).
+STRUCTURED_FIELDS = ("auto", "guided")
+
+
+def endpoint_url(url: str, kind: str) -> str:
+    """The URL for a chat or completions request: ``url`` is the endpoint itself
+    (``.../v1/chat/completions``, ``.../v1/completions``) or the API base (``.../v1``)."""
+    base = url.rstrip("/")
+    for suffix in ("/chat/completions", "/completions"):
+        if base.endswith(suffix):
+            base = base[: -len(suffix)]
+            break
+    return f"{base}/chat/completions" if kind == CHAT else f"{base}/completions"
+
+
+def structured_spec(raw: Any) -> dict[str, Any] | None:
+    """A row's ``structured_outputs`` checked (keys, JSON schema, regex, choices)."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise RowValidationError(f"structured_outputs must be a dict (e.g. {{'choice': [...]}}), got {type(raw).__name__}")
+    spec = {k: v for k, v in raw.items() if v not in (None, False) and k != "backend"}
+    for key in spec:
+        if key not in STRUCTURED_KEYS:
+            close = did_you_mean(key, STRUCTURED_KEYS)
+            raise RowValidationError(f"unknown structured_outputs key '{key}'" + (f" (did you mean '{close}'?)" if close else ""))
+    if isinstance(spec.get("json"), str):
+        try:
+            spec["json"] = json.loads(spec["json"])
+        except ValueError as exc:
+            raise RowValidationError(f"structured_outputs.json is not valid JSON: {exc}") from exc
+    if "json" in spec:
+        import jsonschema
+
+        try:
+            jsonschema.validators.validator_for(spec["json"]).check_schema(spec["json"])
+        except (jsonschema.SchemaError, TypeError, AttributeError) as exc:
+            raise RowValidationError(f"structured_outputs.json is not a valid JSON schema: {exc}") from exc
+    if "regex" in spec:
+        try:
+            re.compile(spec["regex"])
+        except (re.error, TypeError) as exc:
+            raise RowValidationError(f"structured_outputs.regex is not a valid regular expression: {exc}") from exc
+    choice = spec.get("choice")
+    if choice is not None and (not isinstance(choice, list) or not choice or not all(isinstance(c, str) for c in choice)):
+        raise RowValidationError("structured_outputs.choice must be a non-empty list of strings")
+    return spec or None
+
+
+def _constraint_fields(spec: dict[str, Any], fields: str) -> dict[str, Any]:
+    if fields == "guided":
+        out = {f"guided_{k}": v for k, v in spec.items() if k in ("json", "choice", "regex", "grammar")}
+        if spec.get("json_object"):
+            out["response_format"] = {"type": "json_object"}
+        return out
+    out: dict[str, Any] = {}
+    rest = {k: v for k, v in spec.items() if k not in ("json", "json_object")}
+    if "json" in spec:
+        out["response_format"] = {"type": "json_schema", "json_schema": {"name": "answer", "schema": spec["json"]}}
+    elif spec.get("json_object"):
+        out["response_format"] = {"type": "json_object"}
+    if rest:
+        out["structured_outputs"] = rest
+    return out
+
+
+def _image_url(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (bytes, bytearray)):
+        return "data:image/png;base64," + base64.b64encode(bytes(value)).decode()
+    if hasattr(value, "save"):  # a PIL image
+        buf = io.BytesIO()
+        value.save(buf, format="PNG")
+        return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    raise RowValidationError(f"an image part must be a URL, bytes or a PIL image, got {type(value).__name__}")
+
+
+def _wire_messages(messages: Any) -> list[dict[str, Any]]:
+    out = []
+    for msg in normalize_messages(to_python(messages)):
+        content = msg["content"]
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                if part["type"] == "image":
+                    parts.append({"type": "image_url", "image_url": {"url": _image_url(part.get("image"))}})
+                else:
+                    parts.append(part)
+            msg = {**msg, "content": parts}
+        out.append(msg)
+    return out
+
+
+def request_body(row: dict[str, Any], model: str | None, fields: str = "auto") -> tuple[str, dict[str, Any], dict | None]:
+    """(kind, body, structured spec) for a row with ``messages`` (chat) or ``prompt``
+    (completions) and ``sampling_params``; raises :class:`RowValidationError` naming the field."""
+    sp = to_python(row.get("sampling_params") or {})
+    if not isinstance(sp, dict):
+        raise RowValidationError(f"sampling_params must be a dict, got {type(sp).__name__}")
+    sp = {k: v for k, v in sp.items() if v is not None}
+    if "guided_decoding" in sp:
+        sp.setdefault("structured_outputs", sp.pop("guided_decoding"))
+    spec = structured_spec(sp.pop("structured_outputs", None))
+    for key in sp:
+        if key not in SAMPLING_PARAM_NAMES:
+            close = did_you_mean(key, sorted(SAMPLING_PARAM_NAMES))
+            raise RowValidationError(f"unknown sampling param '{key}'" + (f" (did you mean '{close}'?)" if close else ""))
+    check_types(sp)
+    if row.get("messages") is not None:
+        kind, body = CHAT, {"messages": _wire_messages(row["messages"])}
+    elif isinstance(row.get("prompt"), str) and row["prompt"].strip():
+        kind, body = COMPLETIONS, {"prompt": row["prompt"]}
+    else:
+        raise RowValidationError("the row has neither 'messages' nor a non-empty 'prompt' (nor a 'payload')")
+    name = row.get("model") or model
+    if name:
+        body["model"] = name
+    body["max_tokens"] = sp.pop("max_tokens", DEFAULT_MAX_TOKENS)
+    logprobs = sp.pop("logprobs", None)
+    if logprobs is not None:
+        body.update({"logprobs": True, "top_logprobs": logprobs} if kind == CHAT else {"logprobs": logprobs})
+    for key, value in sp.items():
+        if key in OPENAI_PARAMS or key in VLLM_PARAMS:
+            body[key] = value
+    if kind == CHAT and row.get("chat_template_kwargs"):
+        body["chat_template_kwargs"] = to_python(row["chat_template_kwargs"])
+    if spec:
+        body.update(_constraint_fields(spec, fields))
+    return kind, body, spec
+
+
+def is_deterministic(body: dict[str, Any]) -> bool:
+    """Whether identical bodies give identical answers (greedy or seeded, one answer)."""
+    return (body.get("temperature") == 0 or body.get("seed") is not None) and body.get("n", 1) == 1
+
+
+def estimate_tokens(body: Any) -> int:
+    """Tokens a request is charged before it is sent, as OpenAI estimates them: about four
+    characters a token for the prompt, plus ``max_tokens`` for each answer."""
+    if not isinstance(body, dict):
+        return 0
+    chars, messages = 0, 0
+    for msg in body.get("messages") or []:
+        messages += 1
+        content = msg.get("content") if isinstance(msg, dict) else None
+        if isinstance(content, str):
+            chars += len(content.encode("utf-8", "replace"))
+        elif isinstance(content, list):
+            chars += sum(len(str(p.get("text", "")).encode("utf-8", "replace")) for p in content if isinstance(p, dict))
+    for key in ("prompt", "input"):
+        value = body.get(key)
+        if isinstance(value, str):
+            chars += len(value.encode("utf-8", "replace"))
+        elif isinstance(value, list):
+            chars += sum(len(str(v)) for v in value)
+    out = body.get("max_completion_tokens") or body.get("max_tokens") or 0
+    n = body.get("n") or 1
+    return math.ceil(chars / 4) + 4 * messages + 3 + int(out) * int(n)
+
+
+def _logprobs(choice: dict[str, Any]) -> list[list[dict[str, Any]]] | None:
+    lp = choice.get("logprobs")
+    if not isinstance(lp, dict):
+        return None
+    if isinstance(lp.get("content"), list):  # chat
+        return [[{"token_id": None, "logprob": t.get("logprob"), "rank": i, "decoded_token": t.get("token")}
+                 for i, t in enumerate(entry.get("top_logprobs") or [entry])] for entry in lp["content"]]
+    tops = lp.get("top_logprobs")
+    if isinstance(tops, list):  # completions
+        return [[{"token_id": None, "logprob": v, "rank": i, "decoded_token": k} for i, (k, v) in enumerate((t or {}).items())]
+                for t in tops]
+    return None
+
+
+def usage_counts(data: Any) -> tuple[int, int, int | None]:
+    """(prompt tokens, completion tokens, cached prompt tokens or None) from ``usage``."""
+    usage = data.get("usage") if isinstance(data, dict) else None
+    if not isinstance(usage, dict):
+        return 0, 0, None
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0), cached
+
+
+def answer_columns(kind: str, data: Any, prompt: str = "") -> dict[str, Any]:
+    """llmbatch's generate columns from a chat/completions response."""
+    choices = data.get("choices") if isinstance(data, dict) else None
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        raise InvalidResponseError(f"the response has no choices: {json.dumps(data, default=str)[:200]}")
+    first = choices[0]
+    if kind == CHAT:
+        message = first.get("message")
+        if not isinstance(message, dict):
+            raise InvalidResponseError("the response's choices[0] has no message")
+        text = message.get("content") or ""
+    else:
+        text = first.get("text")
+        if not isinstance(text, str):
+            raise InvalidResponseError("the response's choices[0] has no text")
+    prompt_tokens, completion_tokens, _ = usage_counts(data)
+    out = {"generated_text": text, "finish_reason": first.get("finish_reason") or "",
+           "num_input_tokens": prompt_tokens, "num_generated_tokens": completion_tokens,
+           "generated_tokens": [int(t) for t in first.get("token_ids") or []], "prompt": prompt}
+    logprobs = _logprobs(first)
+    if logprobs is not None:
+        out["logprobs"] = logprobs
+    return out
+
+
+# ---------------------------------------------------------------------------- serving side
+
+#: OpenAI request fields that are sampling params of the same name.
+_REQUEST_PARAMS = tuple(p for p in OPENAI_PARAMS + VLLM_PARAMS if p in SAMPLING_PARAM_NAMES)
+
+
+def row_from_request(kind: str, request: Any) -> dict[str, Any]:
+    """An llmbatch row (``messages``/``prompt``, ``sampling_params``) from an OpenAI request
+    (a dict or a pydantic model such as Ray's ``ChatCompletionRequest``)."""
+    if hasattr(request, "model_dump"):
+        request = request.model_dump(exclude_unset=True)
+    if not isinstance(request, dict):
+        raise RowValidationError(f"the request must be a dict or a pydantic model, got {type(request).__name__}")
+    body = {k: v for k, v in request.items() if v is not None}
+    sp = {k: body[k] for k in _REQUEST_PARAMS if k in body}
+    if body.get("max_completion_tokens") is not None:
+        sp["max_tokens"] = body["max_completion_tokens"]
+    if kind == CHAT and body.get("logprobs"):
+        sp["logprobs"] = int(body.get("top_logprobs") or 0)
+    elif kind == COMPLETIONS and body.get("logprobs") is not None:
+        sp["logprobs"] = int(body["logprobs"])
+    spec = dict(body.get("structured_outputs") or {})
+    for key in ("json", "choice", "regex", "grammar"):
+        if body.get(f"guided_{key}") is not None:
+            spec[key] = body[f"guided_{key}"]
+    fmt = body.get("response_format") or {}
+    if fmt.get("type") == "json_schema":
+        spec["json"] = (fmt.get("json_schema") or {}).get("schema") or {}
+    elif fmt.get("type") == "json_object":
+        spec["json_object"] = True
+    if spec:
+        sp["structured_outputs"] = spec
+    row: dict[str, Any] = {"sampling_params": sp}
+    if kind == CHAT:
+        row["messages"] = body.get("messages")
+        if body.get("chat_template_kwargs"):
+            row["chat_template_kwargs"] = body["chat_template_kwargs"]
+    else:
+        prompt = body.get("prompt")
+        row["prompt"] = prompt[0] if isinstance(prompt, list) and len(prompt) == 1 else prompt
+    return row
+
+
+def response_body(kind: str, model: str, row: dict[str, Any]) -> dict[str, Any]:
+    """An OpenAI chat/completions response from an answered llmbatch row."""
+    choice: dict[str, Any] = {"index": 0, "finish_reason": row.get("finish_reason") or "stop", "logprobs": None}
+    if kind == CHAT:
+        choice["message"] = {"role": "assistant", "content": row.get("generated_text", "")}
+    else:
+        choice["text"] = row.get("generated_text", "")
+    prompt_tokens, completion_tokens = int(row.get("num_input_tokens") or 0), int(row.get("num_generated_tokens") or 0)
+    return {"id": f"{'chatcmpl' if kind == CHAT else 'cmpl'}-{uuid.uuid4().hex}",
+            "object": "chat.completion" if kind == CHAT else "text_completion", "created": int(time.time()),
+            "model": model, "choices": [choice],
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                      "total_tokens": prompt_tokens + completion_tokens}}
