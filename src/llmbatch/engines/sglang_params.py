@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from llmbatch.engines.vllm_params import _suggest, check_types, validate_structured
+from llmbatch.engines.vllm_params import _suggest, check_types, row_sampling_params, validate_structured
 from llmbatch.errors import RowValidationError
 from llmbatch.rows import to_python
 
@@ -90,16 +90,7 @@ def sampling_params(raw: Any, context_len: int | None = None,
 
     Raises :class:`RowValidationError` naming the param for anything SGLang would not honour.
     """
-    if raw is None:
-        raw = {}
-    if not isinstance(raw, dict):
-        raise RowValidationError(f"sampling_params must be a dict, got {type(raw).__name__}")
-    sp = {k: v for k, v in to_python(raw).items() if v is not None}
-    if "guided_decoding" in sp:
-        if "structured_outputs" in sp:
-            raise RowValidationError("sampling_params has both guided_decoding and structured_outputs; keep structured_outputs")
-        sp["structured_outputs"] = sp.pop("guided_decoding")
-    so = sp.pop("structured_outputs", None)
+    sp, so = row_sampling_params(raw)
     for key in IGNORED:
         sp.pop(key, None)
     known = list(RENAMED) + list(SHARED) + list(NATIVE) + ["structured_outputs"]

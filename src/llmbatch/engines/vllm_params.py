@@ -110,11 +110,10 @@ def structured_outputs(spec: Any):
     except Exception as exc:  # noqa: BLE001
         raise RowValidationError(f"invalid structured_outputs: {exc}") from exc
 
-def sampling_params(raw: Any, max_model_len: int | None = None, detokenize_after: bool = False):
+def row_sampling_params(raw: Any) -> tuple[dict[str, Any], Any]:
+    """A row's sampling params as plain values without unset ones, and its structured-output
+    spec apart (``guided_decoding``, the old name, accepted with a warning), for any engine."""
     global _GUIDED_WARNED
-    from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
-
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
@@ -128,7 +127,14 @@ def sampling_params(raw: Any, max_model_len: int | None = None, detokenize_after
         if "structured_outputs" in sp:
             raise RowValidationError("sampling_params has both guided_decoding and structured_outputs; keep structured_outputs")
         sp["structured_outputs"] = sp.pop("guided_decoding")
-    so = sp.pop("structured_outputs", None)
+    return sp, sp.pop("structured_outputs", None)
+
+
+def sampling_params(raw: Any, max_model_len: int | None = None, detokenize_after: bool = False):
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    sp, so = row_sampling_params(raw)
     sp.pop("truncate_prompt_tokens", None)  # applied by the tokenize stage
     known = [f for f in SamplingParams.__struct_fields__ if not f.startswith("_")]
     for key in sp:
