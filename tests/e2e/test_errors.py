@@ -83,9 +83,10 @@ BAD = {
     "bad_schema": ("validate", "RowValidationError"),
     "bad_regex": ("validate", "RowValidationError"),
     "truncated_json": ("check_output", "StructuredOutputError"),
-    "empty_messages": ("chat_template", "RowValidationError"),
-    "bad_shape": ("chat_template", "RowValidationError"),
-    "none_content": ("chat_template", "RowValidationError"),
+    # the job runs the multimodal stage, the first to read messages: it checks their shape
+    "empty_messages": ("prepare_multimodal", "RowValidationError"),
+    "bad_shape": ("prepare_multimodal", "RowValidationError"),
+    "none_content": ("prepare_multimodal", "RowValidationError"),
     "not_image": ("prepare_multimodal", "RowValidationError"),
     "nan_value": ("preprocess", "RowValidationError"),
     "missing_field": ("preprocess", "RowValidationError"),

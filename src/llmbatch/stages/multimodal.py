@@ -26,7 +26,7 @@ from typing import Any
 from llmbatch.engines.vllm_chat import VllmChat
 from llmbatch.errors import RowValidationError
 from llmbatch.io.media import MediaPolicy, load_image
-from llmbatch.rows import MEDIA_DIGEST, MM_PARSED, ROLES, Row
+from llmbatch.rows import MEDIA_DIGEST, MM_PARSED, ROLES, Row, normalize_messages
 from llmbatch.stages.base import Stage
 
 __all__ = ["MediaPolicy", "PrepareMultimodalStage", "load_image", "prepare_messages"]
@@ -84,8 +84,7 @@ def _check_part(part: Any, where: str) -> tuple[str, Any]:
 def prepare_messages(messages: Any, policy: MediaPolicy) -> tuple[list[dict[str, Any]], str | None]:
     """``messages`` checked, with every image decoded into an ``image_pil`` part (vLLM's form
     for a decoded image), and a digest of the row's media (None without media)."""
-    if not isinstance(messages, (list, tuple)) or not messages:
-        raise RowValidationError("'messages' must be a non-empty list of {'role', 'content'} dicts")
+    normalize_messages(messages)  # the shape checks every row's messages get (roles, content)
     digest = hashlib.blake2b(digest_size=16)
     media = 0
     out = []
