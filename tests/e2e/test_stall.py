@@ -8,6 +8,7 @@ it and the fix, instead of waiting forever.
 
 from __future__ import annotations
 
+import sys
 import time
 
 import pytest
@@ -37,9 +38,16 @@ def test_a_plan_that_cannot_move_fails_with_the_reason(ray_cluster, smollm2, tmp
     ds = ray.data.read_csv(str(path), override_num_blocks=4)
     # the user's own pool takes every CPU, before any read task got one
     ds = ds.map_batches(Passthrough, compute=ray.data.ActorPoolStrategy(size=cpus), num_cpus=1)
+    # Ray pickles Passthrough by reference; the workers cannot import this test module
+    from ray import cloudpickle
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
     start = time.monotonic()
-    with pytest.raises(StallError) as err:
-        processor(ds).take_all()
+    try:
+        with pytest.raises(StallError) as err:
+            processor(ds).take_all()
+    finally:
+        cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
     elapsed = time.monotonic() - start
     text = str(err.value)
     assert f"no progress for {TIMEOUT_S}" in text or "made no progress" in text
