@@ -65,26 +65,9 @@ def _stop_own_cluster(temp: Path) -> None:
     """Stop the Ray head this session started, and nothing else: ``ray stop`` would stop every
     Ray cluster on the machine (other sessions' included). Its processes name its temp dir; its
     workers exit with its raylet."""
-    import psutil
+    from llmbatch.reaper import end_processes, processes_naming
 
-    own = []
-    for proc in psutil.process_iter(["cmdline"]):
-        try:
-            if f"{temp}/" in " ".join(proc.info["cmdline"] or []):
-                own.append(proc)
-        except psutil.Error:
-            continue
-    for proc in own:
-        try:
-            proc.terminate()
-        except psutil.Error:
-            pass
-    _, alive = psutil.wait_procs(own, timeout=5)
-    for proc in alive:
-        try:
-            proc.kill()
-        except psutil.Error:
-            pass
+    end_processes(processes_naming(f"{temp}/"), grace_s=5)
 
 
 @pytest.fixture(scope="session")

@@ -73,17 +73,38 @@ def _reap(watched: int, read_fd: int) -> None:
             victims.extend(proc.children(recursive=True))
         except psutil.Error:
             continue
-    for proc in victims:
+    end_processes(victims, grace_s=3)
+
+
+def end_processes(procs: list, grace_s: float) -> None:
+    """SIGTERM each of ``procs`` (psutil processes), then SIGKILL those alive after ``grace_s``."""
+    import psutil
+
+    for proc in procs:
         try:
             proc.terminate()
         except psutil.Error:
             pass
-    _, alive = psutil.wait_procs(victims, timeout=3)
+    _, alive = psutil.wait_procs(procs, timeout=grace_s)
     for proc in alive:
         try:
             proc.kill()
         except psutil.Error:
             pass
+
+
+def processes_naming(text: str) -> list:
+    """The processes whose command line contains ``text`` (e.g. a Ray cluster's temp dir)."""
+    import psutil
+
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            if text in " ".join(proc.info["cmdline"] or []):
+                found.append(proc)
+        except psutil.Error:
+            continue
+    return found
 
 
 if __name__ == "__main__":

@@ -19,9 +19,10 @@ import textwrap
 import time
 from pathlib import Path
 
-import psutil
 import pyarrow.parquet as pq
 import pytest
+
+from llmbatch.reaper import end_processes, processes_naming
 
 pytestmark = pytest.mark.e2e
 
@@ -45,24 +46,7 @@ def wait_for(predicate, timeout: float, what: str) -> None:
 
 def stop_own_cluster(temp: Path) -> None:
     """Stop the Ray processes that name ``temp`` (this test's head), nothing else."""
-    own = []
-    for proc in psutil.process_iter(["cmdline"]):
-        try:
-            if f"{temp}/" in " ".join(proc.info["cmdline"] or []):
-                own.append(proc)
-        except psutil.Error:
-            continue
-    for proc in own:
-        try:
-            proc.terminate()
-        except psutil.Error:
-            pass
-    _, alive = psutil.wait_procs(own, timeout=5)
-    for proc in alive:
-        try:
-            proc.kill()
-        except psutil.Error:
-            pass
+    end_processes(processes_naming(f"{temp}/"), grace_s=5)
 
 
 @pytest.fixture
