@@ -15,7 +15,11 @@ end to end, against transformers and plain vLLM on the same weights.
 - ``tiny-vlm``: an Idefics3 (SmolVLM-style) vision-language model with seeded random weights: a
   2-layer vision tower (64 px tiles of 16 px patches, 4 tokens per tile after the pixel
   shuffle), a 2-layer Llama (head_dim 64, which vLLM's CPU attention needs) on SmolLM2's
-  tokenizer plus the image tokens, a processor that splits images up to 128 px into tiles.
+  tokenizer plus the image tokens, a processor that splits images up to 128 px into tiles;
+- ``tiny-audio``: a Qwen2-Audio-style audio-language model with seeded random weights: a 2-layer
+  Whisper-style audio tower (64 mel bins, clips up to 30 s at 16 kHz, 25 audio tokens per second),
+  a 2-layer Qwen2 (head_dim 64) on SmolLM2's tokenizer plus the audio tokens, Qwen2-Audio's
+  processor and chat template.
 """
 
 from __future__ import annotations
@@ -164,6 +168,60 @@ def _tiny_vlm(out: Path, seed: int) -> None:
     tok.save_pretrained(out)
 
 
+#: Qwen2-Audio's chat template (as its processor ships it): an audio part becomes
+#: "Audio N: <|audio_bos|><|AUDIO|><|audio_eos|>".
+AUDIO_TEMPLATE = (
+    "{% set audio_count = namespace(value=0) %}{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+    "{% endif %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}"
+    "{{ message['content'] }}<|im_end|>\n{% else %}{% for content in message['content'] %}"
+    "{% if 'audio' in content or 'audio_url' in content or content['type'] == 'audio' %}"
+    "{% set audio_count.value = audio_count.value + 1 %}Audio {{ audio_count.value }}: "
+    "<|audio_bos|><|AUDIO|><|audio_eos|>\n{% elif 'text' in content %}{{ content['text'] }}{% endif %}"
+    "{% endfor %}<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def _tiny_audio(out: Path, seed: int) -> None:
+    torch, transformers = _imports()
+    from safetensors.torch import save_file
+    from transformers import Qwen2AudioProcessor, WhisperFeatureExtractor
+
+    tok = transformers.AutoTokenizer.from_pretrained(prepare("smollm2-135m-instruct"))
+    tok.add_special_tokens({"additional_special_tokens": ["<|audio_bos|>", "<|AUDIO|>", "<|audio_eos|>"]})
+    tok.chat_template = AUDIO_TEMPLATE
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    text = transformers.Qwen2Config(
+        vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=8192, bos_token_id=tok.bos_token_id, eos_token_id=end,
+        pad_token_id=tok.pad_token_id, tie_word_embeddings=False)
+    # Whisper's 30 s window (3,000 mel frames, which vLLM's Qwen2-Audio expects), halved by the tower
+    audio = transformers.Qwen2AudioEncoderConfig(num_mel_bins=64, encoder_layers=2, encoder_attention_heads=2,
+                                                 encoder_ffn_dim=128, d_model=64, max_source_positions=1500)
+    config = transformers.Qwen2AudioConfig(audio_config=audio.to_dict(), text_config=text.to_dict(),
+                                           audio_token_index=tok.convert_tokens_to_ids("<|AUDIO|>"))
+    config.architectures = ["Qwen2AudioForConditionalGeneration"]
+    torch.manual_seed(seed)
+    model = transformers.Qwen2AudioForConditionalGeneration(config)
+    with torch.no_grad():  # large enough that the audio moves greedy answers
+        for name, param in model.named_parameters():
+            if "norm" in name and name.endswith("weight"):
+                param.normal_(1, 0.1)
+            else:
+                param.normal_(0, 0.5 if "projector" in name else 0.05)
+    # vLLM reads Qwen2-Audio checkpoints in the original layout (transformers 5 saves another)
+    renames = {"model.audio_tower.": "audio_tower.", "model.multi_modal_projector.": "multi_modal_projector.",
+               "model.language_model.": "language_model.model.", "lm_head.": "language_model.lm_head."}
+    weights = {}
+    for name, tensor in model.state_dict().items():
+        prefix = next(p for p in renames if name.startswith(p))
+        weights[renames[prefix] + name[len(prefix):]] = tensor.contiguous()
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config.save_pretrained(out)
+    features = WhisperFeatureExtractor(feature_size=64, sampling_rate=16000, chunk_length=30)
+    Qwen2AudioProcessor(feature_extractor=features, tokenizer=tok, chat_template=AUDIO_TEMPLATE).save_pretrained(out)
+    tok.save_pretrained(out)
+
+
 def make_test_models(root: str | os.PathLike | None = None) -> dict[str, Path]:
     """Build every test model under ``root`` (default: the cache's ``test-models``) once;
     returns name -> folder. LoRA adapters share one folder (``loras``), the
@@ -177,6 +235,7 @@ def make_test_models(root: str | os.PathLike | None = None) -> dict[str, Path]:
         "smollm2-reward": _write_atomically(root / "smollm2-reward", lambda d: _llama_reward(d, 2)),
     }
     out["tiny-vlm"] = _write_atomically(root / "tiny-vlm", lambda d: _tiny_vlm(d, 3))
+    out["tiny-audio"] = _write_atomically(root / "tiny-audio", lambda d: _tiny_audio(d, 4))
     for name, (rank, seed) in LORA_ADAPTERS.items():
         out[name] = _write_atomically(root / "loras" / name, lambda d, r=rank, s=seed: _lora(d, r, s))
     out["loras"] = root / "loras"
