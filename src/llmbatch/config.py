@@ -173,7 +173,7 @@ class PrepareMultimodalStageConfig(StageConfig):
     model_config_kwargs: Optional[dict[str, Any]] = Field(None, description="Extra vLLM ModelConfig arguments for parsing (e.g. limit_mm_per_prompt); the engine's engine_kwargs apply too.")
     chat_template_content_format: Optional[Literal["auto", "string", "openai"]] = Field(None, description="How message content is laid out for the template: 'string' (text with the model's placeholders), 'openai' (a list of parts), or 'auto'/unset: detected from the template, as vLLM's LLM.chat does (Ray's default is 'string').")
     apply_sys_msg_formatting: Optional[bool] = Field(False, description="Keep system messages as plain strings (text parts joined), outside the content formatting, for templates that want a string system prompt.")
-    max_item_bytes: int = Field(64 << 20, ge=1, description="llmbatch: the cap on one media item (encoded bytes, or a decoded image's RGB bytes); a bigger one is an error row.")
+    max_item_bytes: int = Field(64 << 20, ge=1, description="llmbatch: the cap on one media item (encoded bytes, or a decoded image's RGB bytes, or a decoded clip's float32 samples); a bigger one is an error row.")
     fetch_timeout_s: float = Field(20.0, gt=0, description="llmbatch: seconds per try to fetch a media URL.")
     fetch_retries: int = Field(2, ge=0, description="llmbatch: tries after the first for a media URL that fails to connect, times out or answers 5xx.")
 

@@ -8,11 +8,17 @@ Content parts, in OpenAI's form and Ray's, several per message and per row:
   {"url": X}}`` (OpenAI's), ``{"type": "input_image", "image_url": X}``, ``{"type":
   "image_pil", "image_pil": X}``, where X is a PIL image, bytes, a data URL, an http(s) URL, a
   ``file://`` URL or a local path (or a ``{"bytes"|"path"|"url": ...}`` dict);
-- ``audio_url`` / ``input_audio`` / ``video_url`` parts go to vLLM as they are (after the URL
-  policy check), and vLLM reads them.
+- ``{"type": "input_audio", "input_audio": {"data": base64, "format": "wav"}}`` (OpenAI's),
+  ``{"type": "audio_url", "audio_url": {"url": X}}``, ``{"type": "audio", "audio": X}`` (Ray's
+  form), where X is bytes, a data URL, an http(s) URL, a ``file://`` URL, a local path, or a
+  decoded clip: ``(array, sampling_rate)`` or ``{"array": ..., "sampling_rate": ...}``;
+- ``video_url`` parts go to vLLM as they are (after the URL policy check), and vLLM reads them.
 
-Every image is decoded here once (:mod:`llmbatch.io.media`: a size cap per item, URL timeouts
-and retries, the allowed paths and hosts) and handed on as a decoded image. A part with an
+Every image and every clip is decoded here once (:mod:`llmbatch.io.media`,
+:mod:`llmbatch.io.audio`: a size cap per item, URL timeouts and retries, the allowed paths and
+hosts) and handed on decoded: an image as an ``image_pil`` part, a clip as an ``audio`` part
+holding ``(waveform, rate)``, which :class:`~llmbatch.engines.vllm_chat.VllmChat` gives vLLM's
+parser in place of the one vLLM would have read. A part with an
 unknown type or key is an error row that names it; nothing is dropped silently. Each row gets
 a digest of its media, so that rows with the same text and different images are different
 requests (dedup) and rows with the same images run together (prefix order).
@@ -25,11 +31,12 @@ from typing import Any
 
 from llmbatch.engines.vllm_chat import VllmChat
 from llmbatch.errors import RowValidationError
+from llmbatch.io.audio import audio_key, load_audio
 from llmbatch.io.media import MediaPolicy, load_image
 from llmbatch.rows import MEDIA_DIGEST, MM_PARSED, ROLES, Row, normalize_messages
 from llmbatch.stages.base import Stage
 
-__all__ = ["MediaPolicy", "PrepareMultimodalStage", "load_image", "prepare_messages"]
+__all__ = ["MediaPolicy", "PrepareMultimodalStage", "load_audio", "load_image", "prepare_messages"]
 
 #: Part type -> (the key holding its payload, other keys it may have).
 PART_KEYS: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -39,6 +46,7 @@ PART_KEYS: dict[str, tuple[str, tuple[str, ...]]] = {
     "image_url": ("image_url", ("detail",)),
     "input_image": ("image_url", ("detail", "file_id")),
     "image_pil": ("image_pil", ()),
+    "audio": ("audio", ()),
     "audio_url": ("audio_url", ()),
     "input_audio": ("input_audio", ()),
     "video_url": ("video_url", ()),
@@ -51,6 +59,7 @@ PART_KEYS: dict[str, tuple[str, tuple[str, ...]]] = {
     "video_embeds": ("video_embeds", ()),
 }
 IMAGE_PART_TYPES = ("image", "image_url", "input_image", "image_pil")
+AUDIO_PART_TYPES = ("audio", "audio_url", "input_audio")
 #: Message keys OpenAI's chat format has (others are typos, and errors).
 MESSAGE_KEYS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id", "reasoning", "reasoning_content",
                           "refusal", "function_call"})
@@ -83,7 +92,8 @@ def _check_part(part: Any, where: str) -> tuple[str, Any]:
 
 def prepare_messages(messages: Any, policy: MediaPolicy) -> tuple[list[dict[str, Any]], str | None]:
     """``messages`` checked, with every image decoded into an ``image_pil`` part (vLLM's form
-    for a decoded image), and a digest of the row's media (None without media)."""
+    for a decoded image) and every clip into an ``audio`` part holding ``(waveform, rate)``, and
+    a digest of the row's media (None without media)."""
     normalize_messages(messages)  # the shape checks every row's messages get (roles, content)
     digest = hashlib.blake2b(digest_size=16)
     media = 0
@@ -116,7 +126,17 @@ def prepare_messages(messages: Any, policy: MediaPolicy) -> tuple[list[dict[str,
                 digest.update(str(uuid).encode() if uuid is not None else _image_key(_url_of(value), image))
                 media += 1
                 parts.append({"type": "image_pil", "image_pil": image, **({"uuid": uuid} if uuid is not None else {})})
-            elif kind in ("audio_url", "video_url", "input_audio", "image_embeds", "audio_embeds", "video_embeds"):
+            elif kind in AUDIO_PART_TYPES:
+                source = value if kind == "input_audio" else _url_of(value)
+                try:
+                    audio = load_audio(source, policy, openai_input=kind == "input_audio")
+                except RowValidationError as exc:
+                    raise RowValidationError(f"{where}: {exc}") from None
+                uuid = part.get("uuid")
+                digest.update(str(uuid).encode() if uuid is not None else audio_key(source, audio))
+                media += 1
+                parts.append({"type": "audio", "audio": audio, **({"uuid": uuid} if uuid is not None else {})})
+            elif kind in ("video_url", "image_embeds", "audio_embeds", "video_embeds"):
                 url = _url_of(value)
                 if isinstance(url, str) and url.startswith(("http://", "https://")):
                     policy.check_url(url)
