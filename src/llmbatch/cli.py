@@ -100,6 +100,7 @@ def run(
     task: Annotated[Optional[str], typer.Option(help="generate (default), embed, classify or score.")] = None,
     text_column: Annotated[Optional[str], typer.Option(help="embed/classify: the column whose text is used as is.")] = None,
     image_column: Annotated[Optional[str], typer.Option(help="A column with an image per row (bytes, path or URL) to ask --prompt about; 'path' for a folder of images.")] = None,
+    audio_column: Annotated[Optional[str], typer.Option(help="A column with an audio clip per row (bytes, path or URL) to ask --prompt about.")] = None,
     pair_columns: Annotated[Optional[str], typer.Option(help="score: the two columns to score, e.g. 'query,passage'.")] = None,
     max_tokens: Annotated[Optional[int], typer.Option(help="Most tokens to generate per row.")] = None,
     temperature: Annotated[Optional[float], typer.Option(help="Sampling temperature (0: greedy).")] = None,
@@ -138,6 +139,7 @@ def run(
     put("task", task)
     put("prompt.text_column", text_column)
     put("prompt.image_column", image_column)
+    put("prompt.audio_column", audio_column)
     put("prompt.pair_columns", [c.strip() for c in pair_columns.split(",")] if pair_columns else None)
     put("sampling_params.max_tokens", max_tokens)
     put("sampling_params.temperature", temperature)

@@ -103,15 +103,24 @@ class TemplatePreprocess:
         if p.system:
             messages.append({"role": "system", "content": render(p.system, row)})
         text = render(p.user, row)
-        if p.image_column is not None:
-            image = row.get(p.image_column)
-            if is_missing(image) or (isinstance(image, dict) and not any(image.get(k) for k in ("bytes", "path", "url"))):
-                raise RowValidationError(f"column {p.image_column!r} (the image) is empty in this row")
-            messages.append({"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": text}]})
+        media = [{"type": kind, kind: _media(row, column, kind)}
+                 for kind, column in (("image", p.image_column), ("audio", p.audio_column)) if column is not None]
+        if media:
+            messages.append({"role": "user", "content": [*media, {"type": "text", "text": text}]})
         else:
             messages.append({"role": "user", "content": text})
         out["messages"] = messages
         return out
+
+
+def _media(row: dict[str, Any], column: str, kind: str) -> Any:
+    def empty(v: Any) -> bool:
+        return is_missing(v) or (isinstance(v, (bytes, str)) and not v)
+
+    value = row.get(column)
+    if empty(value) or (isinstance(value, dict) and all(empty(value.get(k)) for k in ("bytes", "path", "url", "array"))):
+        raise RowValidationError(f"column {column!r} (the {kind}) is empty in this row")
+    return value
 
 
 class WithDefaultParams:

@@ -106,6 +106,7 @@ class PromptSpec(_Config):
     prompt_column: Optional[str] = Field(None, description="A column holding raw prompt text (skips the chat template).")
     text_column: Optional[str] = Field(None, description="Pooling tasks (embed, classify): the column whose text is embedded or classified, as is.")
     image_column: Optional[str] = Field(None, description="A column holding an image per row (bytes, a path, a URL, or a {bytes, path} struct): it goes into the user message before the prompt.user text, and the multimodal stage is turned on.")
+    audio_column: Optional[str] = Field(None, description="A column holding an audio clip per row (encoded bytes such as WAV, a path, a URL, a {bytes, path} struct, or a decoded {array, sampling_rate} one): it goes into the user message before the prompt.user text (after the image, if both), and the multimodal stage is turned on.")
     pair_columns: Optional[list[str]] = Field(None, min_length=2, max_length=2, description="task score: the two columns whose texts are scored against each other, e.g. [query, passage].")
     choices: Optional[list[str]] = Field(None, description="Constrain the answer to one of these strings.")
     json_schema: Optional[Any] = Field(None, description="Constrain the answer to JSON matching this schema.")
@@ -121,8 +122,9 @@ class PromptSpec(_Config):
         constraints = [self.choices is not None, self.json_schema is not None, self.regex is not None]
         if sum(constraints) > 1:
             raise ValueError("give at most one of prompt.choices, prompt.json_schema or prompt.regex")
-        if self.image_column is not None and self.user is None:
-            raise ValueError("prompt.image_column needs a prompt.user text to ask about the image")
+        for column, what in ((self.image_column, "image"), (self.audio_column, "audio")):
+            if column is not None and self.user is None:
+                raise ValueError(f"prompt.{what}_column needs a prompt.user text to ask about the {what}")
         for name in ("system", "user"):
             template = getattr(self, name)
             if template is not None:
@@ -138,7 +140,8 @@ class PromptSpec(_Config):
         for template in (self.system, self.user):
             if template:
                 names.extend(template_fields(template))
-        names.extend(c for c in (self.messages_column, self.prompt_column, self.text_column, self.image_column) if c)
+        names.extend(c for c in (self.messages_column, self.prompt_column, self.text_column, self.image_column,
+                                 self.audio_column) if c)
         names.extend(self.pair_columns or [])
         return list(dict.fromkeys(names))
 
@@ -243,7 +246,7 @@ class JobSpec(_Config):
             fields.setdefault("model", self.model.source)  # the model name the endpoint serves
         else:
             fields["model_source"] = self.model.source
-        if self.prompt is not None and self.prompt.image_column is not None:
+        if self.prompt is not None and (self.prompt.image_column or self.prompt.audio_column) is not None:
             mm = fields.get("prepare_multimodal_stage")
             fields["prepare_multimodal_stage"] = {**mm, "enabled": True} if isinstance(mm, dict) else True
         try:
