@@ -48,7 +48,11 @@ def ray_cluster(tmp_path_factory):
     port = 6390 + os.getpid() % 500
     cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", f"--port={port}",
            "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp}"]
-    subprocess.run(cmd, check=True, capture_output=True, env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
+    try:
+        subprocess.run(cmd, check=True, capture_output=True, env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
+    except subprocess.CalledProcessError:
+        _stop_own_cluster(temp)  # a head that failed half-way (its raylet died) leaves its GCS and monitors running
+        raise
     address = f"127.0.0.1:{port}"
     os.environ["RAY_ADDRESS"] = address
     ray.init(address=address, logging_level="WARNING")
