@@ -242,8 +242,8 @@ def models_make_test_models(
     folder: Annotated[Optional[str], typer.Argument(help="Where to build them (default: the cache's test-models).")] = None,
 ) -> None:
     """Build the seeded test models offline: a classifier, a cross-encoder, a reward model and
-    LoRA adapters made from the offline models' weights, and a tiny vision-language model (for
-    trying every task without a hub)."""
+    LoRA adapters made from the offline models' weights, a tiny vision-language model and a tiny
+    audio model (for trying every task without a hub)."""
     try:
         built = make_test_models(folder)
     except LLMBatchError as exc:
