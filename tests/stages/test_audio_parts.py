@@ -46,6 +46,7 @@ def test_every_form_decodes_to_the_same_samples(tmp_path):
         {"type": "audio", "audio": (array, 16000)},
         {"type": "audio", "audio": [array.tolist(), 16000]},
         {"type": "audio", "audio": {"array": array, "sampling_rate": 16000}},
+        {"type": "audio", "audio": {"array": np.array(list(array), dtype=object), "sampling_rate": 16000}},
     ]
     policy = MediaPolicy(allowed_local_media_path=str(tmp_path))
     for part in forms:

@@ -47,9 +47,9 @@ def decoded_audio(array: Any, rate: Any, policy: MediaPolicy) -> tuple[Any, floa
     """A waveform given decoded, checked: float samples, 1-D (or channels x samples), a rate."""
     np = _numpy()
     rate = _rate(rate, "the audio")
-    if not isinstance(array, np.ndarray):
+    if not isinstance(array, np.ndarray) or array.dtype == object:  # a list, or Arrow's nested values
         try:
-            array = np.asarray(array, dtype=np.float32)
+            array = np.asarray(array.tolist() if isinstance(array, np.ndarray) else array, dtype=np.float32)
         except (TypeError, ValueError) as exc:
             raise RowValidationError(f"the audio array is not a list of numbers: {exc}") from exc
     if array.dtype.kind != "f":
