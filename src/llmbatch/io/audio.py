@@ -94,7 +94,7 @@ def decode_audio(data: bytes, policy: MediaPolicy) -> tuple[Any, float]:
                 raise RowValidationError(f"the decoded audio would be over the cap of {policy.max_bytes} bytes per "
                                          "media item (prepare_multimodal_stage.max_item_bytes)") from exc
             raise RowValidationError(f"the audio is not decodable audio ({exc})") from exc
-        except Exception as exc:  # noqa: BLE001 - decoders raise their own types (LibsndfileError...)
+        except Exception as exc:  # decoders raise their own types (LibsndfileError...): re-raised as the row's
             if backend == "soundfile" and getattr(exc, "code", None) in _UNKNOWN_FORMAT_CODES:
                 continue  # a format libsndfile does not know: PyAV may
             raise RowValidationError(f"the audio is not decodable audio ({type(exc).__name__}: {exc})") from exc
