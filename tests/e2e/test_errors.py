@@ -21,16 +21,17 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 from own_cluster import command_line, engine_replicas
+from waiting import committed, wait_for
 
 pytestmark = pytest.mark.e2e
 
 MAX_LEN = 256
+ROWS_KILLED = 64  # the engine-kill test's rows
 
 HOOKS = r'''
 import json
 
 from llmbatch.jobs.prompts import render
-ROWS_KILLED = 64  # the engine-kill test's rows
 
 
 def request(row):
@@ -276,18 +277,9 @@ def test_killing_the_engine_process_loses_no_row(ray_cluster, smollm2, tmp_path)
                          stdout=log, stderr=subprocess.STDOUT, env=os.environ, start_new_session=True)
     job_dir = tmp_path / "o.parquet.job"
 
-    def committed() -> int:
-        from llmbatch.jobs.store import JobDir
-
-        jd = JobDir(job_dir)
-        return jd.state().counts()["done"] if jd.exists() and jd.meta().ingested else 0
-
-    deadline = time.monotonic() + 400
-    while committed() < 8:
-        assert p.poll() is None and time.monotonic() < deadline, (tmp_path / "driver.log").read_text()[-3000:]
-        time.sleep(0.2)
+    wait_for(lambda: committed(job_dir) >= 8, 400, "the first committed rows", p, step=0.2)
     cores = [c for r in engine_replicas("MapWorker") for c in r.children() if "VLLM::EngineCore" in command_line(c)]
-    assert len(cores) == 1 and committed() < ROWS_KILLED, "the job should still be running"
+    assert len(cores) == 1 and committed(job_dir) < ROWS_KILLED, "the job should still be running"
     cores[0].send_signal(signal.SIGKILL)
     assert p.wait(timeout=900) == 0, (tmp_path / "driver.log").read_text()[-3000:]
     stats = json.loads((job_dir / "stats.json").read_text())

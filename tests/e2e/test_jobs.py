@@ -18,6 +18,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 from own_cluster import engine_replicas
+from waiting import committed, wait_for
 
 from llmbatch.jobs.store import JobDir
 
@@ -63,24 +64,6 @@ def cli(*args: str, log: Path) -> subprocess.Popen:
     fh = open(log, "ab")
     return subprocess.Popen([sys.executable, "-m", "llmbatch", *args], stdout=fh, stderr=subprocess.STDOUT,
                             env=env, start_new_session=True)
-
-
-def committed(job_dir: Path) -> int:
-    job = JobDir(job_dir)
-    if not job.exists() or not job.meta().ingested:
-        return 0
-    return job.state().counts()["done"]
-
-
-def wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen | None = None, step: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"the driver exited ({proc.returncode}) before: {what}")
-        time.sleep(step)
-    raise AssertionError(f"timed out waiting for: {what}")
 
 
 def kill9(proc: subprocess.Popen) -> None:
