@@ -124,10 +124,10 @@ def run_llmbatch(args, out: Path, pool: int | None = None) -> dict:
                                        prepare_multimodal_stage=mm)
     size, params = args.resize, sampling(args)
     processor = build_processor(
-        config, preprocess=lambda r: dict(messages=conversation(decode_resize(r["image"], size)), sampling_params=params),
+        config, preprocess=lambda r: {"messages": conversation(decode_resize(r["image"], size)), "sampling_params": params},
         preprocess_map_kwargs={"concurrency": (1, pool)} if pool else None,
-        postprocess=lambda r: dict(id=r["id"], caption=r["generated_text"], n_out=r["num_generated_tokens"],
-                                   n_in=r["num_input_tokens"]),
+        postprocess=lambda r: {"id": r["id"], "caption": r["generated_text"], "n_out": r["num_generated_tokens"],
+                               "n_in": r["num_input_tokens"]},
         keep_private=(STATS,))
     folder = out.with_suffix(".d")
     processor(ray.data.read_parquet(args.data)).write_parquet(str(folder))
@@ -197,7 +197,7 @@ def run_one(system: str, args, data: Path, folder: Path) -> dict:
     env.pop("RAY_ADDRESS", None)
     started = time.time()
     with open(folder / f"{system}.log", "w") as fh:
-        proc = subprocess.run(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, timeout=args.timeout,
+        proc = subprocess.run(cmd, check=False, env=env, stdout=fh, stderr=subprocess.STDOUT, timeout=args.timeout,
                               start_new_session=True)
     if proc.returncode != 0 or not out.with_suffix(".json").exists():
         return {"system": system, "error": f"exit {proc.returncode}, log {folder / (system + '.log')}"}
@@ -323,6 +323,9 @@ def merge(paths: list[str]) -> None:
     merged = {**reports[0], "runs": [r for rep in reports for r in rep["runs"]]}
     systems = list(dict.fromkeys(r["system"] for r in merged["runs"]))
     print_table(merged, systems)
+    rates = [r["cpu_stage"]["images_per_s_one_core"] for r in reports]
+    print(f"CPU stage per call (images/s, one core): {', '.join(f'{x:.0f}' for x in rates)}; "
+          f"median {statistics.median(rates):.0f}")
     print(json.dumps(summarize(merged, systems)["summary"]))
 
 if __name__ == "__main__":

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import os
+import shutil
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -36,7 +39,7 @@ def minilm() -> str:
 
 
 @pytest.fixture(scope="session")
-def ray_cluster(tmp_path_factory):
+def ray_cluster():
     """A Ray head started once (real CPUs of this machine); drivers in subprocesses join it
     through RAY_ADDRESS, as on a real cluster."""
     import ray
@@ -44,17 +47,22 @@ def ray_cluster(tmp_path_factory):
     if ray.is_initialized():
         yield os.environ.get("RAY_ADDRESS")
         return
-    temp = tmp_path_factory.mktemp("ray")
-    port = 6390 + os.getpid() % 500
+    # a short private temp dir (Ray's socket paths must fit in 107 bytes; pytest-xdist's are long)
+    temp = Path(tempfile.mkdtemp(prefix="lbt-", dir="/tmp"))
+    with socket.socket() as s:  # a free port: another test session may run a cluster beside this one
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", f"--port={port}",
            "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp}"]
     try:
         subprocess.run(cmd, check=True, capture_output=True, env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
     except subprocess.CalledProcessError:
         _stop_own_cluster(temp)  # a head that failed half-way (its raylet died) leaves its GCS and monitors running
+        shutil.rmtree(temp, ignore_errors=True)
         raise
     address = f"127.0.0.1:{port}"
     os.environ["RAY_ADDRESS"] = address
+    os.environ["LLMBATCH_TEST_RAY_TEMP"] = str(temp)  # tests/e2e/own_cluster.py finds its processes by it
     ray.init(address=address, logging_level="WARNING")
     try:
         yield address
@@ -62,6 +70,8 @@ def ray_cluster(tmp_path_factory):
         ray.shutdown()
         _stop_own_cluster(temp)
         os.environ.pop("RAY_ADDRESS", None)
+        os.environ.pop("LLMBATCH_TEST_RAY_TEMP", None)
+        shutil.rmtree(temp, ignore_errors=True)
         time.sleep(1)
 
 
@@ -88,3 +98,15 @@ def test_models(minilm, smollm2) -> dict:
     from llmbatch.toy_models import make_test_models
 
     return {name: str(path) for name, path in make_test_models().items()}
+
+
+#: The longest test files (minutes each on a 2-core machine), started first: ``make test`` runs
+#: two files at a time, and a long file started last would leave one worker running it alone.
+LONGEST_FIRST = ("tests/e2e/test_plan_shapes.py", "tests/e2e/test_examples.py", "tests/e2e/test_openai_server.py",
+                 "tests/e2e/test_tasks.py", "tests/e2e/test_jobs.py", "tests/e2e/test_processor_vllm.py",
+                 "tests/e2e/test_serve.py", "tests/e2e/test_errors.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: files stay whole

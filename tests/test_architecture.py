@@ -132,3 +132,12 @@ def test_test_module_names_are_unique():
             clashes.append(f"{seen[path.name].relative_to(tests)} and {path.relative_to(tests)}")
         seen.setdefault(path.name, path)
     assert not clashes, f"rename one of each pair: {clashes}"
+
+
+def test_the_files_started_first_exist():
+    """conftest.LONGEST_FIRST names test files by path: a renamed file would quietly lose its
+    place at the front of ``make test``."""
+    from conftest import LONGEST_FIRST
+
+    repo = Path(__file__).resolve().parents[1]
+    assert [p for p in LONGEST_FIRST if not (repo / p).is_file()] == []

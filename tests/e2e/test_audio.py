@@ -18,18 +18,14 @@ import functools
 import http.server
 import importlib
 import json
-import os
 import pickle
-import subprocess
-import sys
 import threading
-from pathlib import Path
 
 import pytest
+from beside import Beside
 
 pytestmark = pytest.mark.e2e
 pytest.importorskip("soundfile")
-HERE = Path(__file__).parent
 CAP = 400_000
 ENGINE = {"max_model_len": 1024, "kv_cache_memory_bytes": 128 << 20, "enforce_eager": True,
           "limit_mm_per_prompt": {"audio": 2}}
@@ -139,30 +135,20 @@ def answered(ray_cluster, test_models, audio_rows, tmp_path_factory):
     request = {"model": model, "engine_kwargs": ENGINE, "sampling_params": SAMPLING,
                "conversations": [messages(r, audio=reference_part) for r in good]}
     (work / "req.pkl").write_bytes(pickle.dumps(request))
-    # plain LLM.chat starts while llmbatch runs (their start-ups overlap: the module's wall time
-    # on 2 cores), its engine in its own process (the same LLM.chat, half the start-up)
-    log = (work / "reference.log").open("w")  # a file, not a pipe: a full pipe would stall it
-    reference = subprocess.Popen([sys.executable, str(HERE / "vllm_chat_reference.py"), str(work / "req.pkl"),
-                                  str(work / "ans.json")], stdout=log, stderr=subprocess.STDOUT,
-                                 env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
-    try:
-        config = vLLMEngineProcessorConfig(
-            model_source=model, engine_kwargs={**ENGINE, "allowed_local_media_path": str(root)}, batch_size=8,
-            should_continue_on_error=True,
-            prepare_multimodal_stage={"enabled": True, "max_item_bytes": CAP, "fetch_timeout_s": 2,
-                                      "fetch_retries": 1})
-        processor = build_processor(config, preprocess=preprocess,
-                                    postprocess=lambda r: {"i": r["i"], "tokens": r.get("generated_tokens"),
-                                                           "n_in": r.get("num_input_tokens"), "prompt": r.get("prompt"),
-                                                           "error": r["__inference_error__"]})
+    config = vLLMEngineProcessorConfig(
+        model_source=model, engine_kwargs={**ENGINE, "allowed_local_media_path": str(root)}, batch_size=8,
+        should_continue_on_error=True,
+        prepare_multimodal_stage={"enabled": True, "max_item_bytes": CAP, "fetch_timeout_s": 2, "fetch_retries": 1})
+    processor = build_processor(config, preprocess=preprocess,
+                                postprocess=lambda r: {"i": r["i"], "tokens": r.get("generated_tokens"),
+                                                       "n_in": r.get("num_input_tokens"), "prompt": r.get("prompt"),
+                                                       "error": r["__inference_error__"]})
+    # plain LLM.chat answers the good rows in a subprocess while llmbatch runs, its engine in its
+    # own process (the same LLM.chat, half the start-up)
+    with Beside("vllm_chat_reference.py", work / "req.pkl", work / "ans.json", log=work / "ref.log",
+                env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}) as reference:
         out = {r["i"]: r for r in processor(ray.data.from_items(good + bad)).take_all()}
-        reference.wait(timeout=900)
-    finally:
-        if reference.poll() is None:
-            reference.kill()
-            reference.wait()
-        log.close()
-    assert reference.returncode == 0, (work / "reference.log").read_text()[-3000:]
+        reference.wait()
     ref = dict(zip([r["i"] for r in good], json.loads((work / "ans.json").read_text())))
     return good, out, ref
 

@@ -24,6 +24,7 @@ from pathlib import Path
 import psutil
 import pyarrow.parquet as pq
 import pytest
+from waiting import committed, wait_for
 
 from llmbatch.jobs.store import JobDir
 
@@ -32,24 +33,6 @@ pytestmark = pytest.mark.e2e
 ROWS = 240
 LATENCY_S = 0.2
 REQUESTS_PER_WORKER = 4  # ~2 x 4 / 0.2 = 40 rows/s: the run lasts long enough to lose a node in it
-
-
-def wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"the driver exited ({proc.returncode}) before: {what}")
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for: {what}")
-
-
-def committed(job_dir: Path) -> int:
-    job = JobDir(job_dir)
-    if not job.exists() or not job.meta().ingested:
-        return 0
-    return job.state().counts()["done"]
 
 
 @pytest.fixture(scope="module")

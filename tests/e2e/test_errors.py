@@ -18,13 +18,15 @@ import textwrap
 import time
 from pathlib import Path
 
-import psutil
 import pyarrow.parquet as pq
 import pytest
+from own_cluster import command_line, engine_replicas
+from waiting import committed, wait_for
 
 pytestmark = pytest.mark.e2e
 
 MAX_LEN = 256
+ROWS_KILLED = 64  # the engine-kill test's rows
 
 HOOKS = r'''
 import json
@@ -261,44 +263,27 @@ def test_engine_that_cannot_start_fails_fast_with_its_reason(ray_cluster, smollm
     assert time.monotonic() - start < 300
 
 
-def _is_replica(proc) -> bool:
-    try:
-        return proc is not None and "MapWorker" in " ".join(proc.cmdline())
-    except psutil.Error:
-        return False
-
-
 def test_killing_the_engine_process_loses_no_row(ray_cluster, smollm2, tmp_path):
     from llmbatch.sample_data import write_customers_csv
 
-    write_customers_csv(tmp_path / "c.csv", 200, seed=5)
+    write_customers_csv(tmp_path / "c.csv", ROWS_KILLED, seed=5)
     log = open(tmp_path / "driver.log", "wb")
     p = subprocess.Popen([sys.executable, "-m", "llmbatch", "run", "--input", str(tmp_path / "c.csv"),
                           "--id-column", "Index", "--model", "smollm2-135m-instruct",
                           "--prompt", "Customer #{Index}: describe {Company} in one sentence.",
-                          "--output", str(tmp_path / "o.parquet"), "--max-tokens", "64", "--quiet",
+                          "--output", str(tmp_path / "o.parquet"), "--max-tokens", "32", "--quiet",
                           "--set", "sampling_params.ignore_eos=true", "--set", "commit_seconds=1",
                           "--set", "model.batch_size=8", "--set", "model.max_concurrent_batches=2"],
                          stdout=log, stderr=subprocess.STDOUT, env=os.environ, start_new_session=True)
     job_dir = tmp_path / "o.parquet.job"
 
-    def committed() -> int:
-        from llmbatch.jobs.store import JobDir
-
-        jd = JobDir(job_dir)
-        return jd.state().counts()["done"] if jd.exists() and jd.meta().ingested else 0
-
-    deadline = time.monotonic() + 400
-    while committed() < 8:
-        assert p.poll() is None and time.monotonic() < deadline, (tmp_path / "driver.log").read_text()[-3000:]
-        time.sleep(0.2)
-    cores = [q for q in psutil.process_iter(["cmdline"]) if "VLLM::EngineCore" in " ".join(q.info["cmdline"] or [])
-             and _is_replica(q.parent())]  # this job's engine, not another process's
-    assert len(cores) == 1 and committed() < 200, "the job should still be running"
+    wait_for(lambda: committed(job_dir) >= 8, 400, "the first committed rows", p, step=0.2)
+    cores = [c for r in engine_replicas("MapWorker") for c in r.children() if "VLLM::EngineCore" in command_line(c)]
+    assert len(cores) == 1 and committed(job_dir) < ROWS_KILLED, "the job should still be running"
     cores[0].send_signal(signal.SIGKILL)
     assert p.wait(timeout=900) == 0, (tmp_path / "driver.log").read_text()[-3000:]
     stats = json.loads((job_dir / "stats.json").read_text())
     table = pq.read_table(stats["output"])
-    assert sorted(int(i) for i in table.column("Index").to_pylist()) == list(range(1, 201))
+    assert sorted(int(i) for i in table.column("Index").to_pylist()) == list(range(1, ROWS_KILLED + 1))
     assert stats["rows_error"] == 0
     assert stats["engine_restarts"] >= 1

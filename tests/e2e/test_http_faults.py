@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+from waiting import committed, wait_for
 
 from llmbatch.jobs.store import JobDir
 
@@ -44,24 +45,6 @@ def cli(*args: str, log: Path) -> subprocess.Popen:
     fh = open(log, "ab")
     return subprocess.Popen([sys.executable, "-m", "llmbatch", *args], stdout=fh, stderr=subprocess.STDOUT,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
-
-
-def committed(job_dir: Path) -> int:
-    job = JobDir(job_dir)
-    if not job.exists() or not job.meta().ingested:
-        return 0
-    return job.state().counts()["done"]
-
-
-def wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"the driver exited ({proc.returncode}) before: {what}")
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for: {what}")
 
 
 def fault_of(index: int) -> str:

@@ -15,9 +15,10 @@ import textwrap
 import time
 from pathlib import Path
 
-import psutil
 import pyarrow.parquet as pq
 import pytest
+from own_cluster import engine_replicas
+from waiting import committed, wait_for
 
 from llmbatch.jobs.store import JobDir
 
@@ -63,24 +64,6 @@ def cli(*args: str, log: Path) -> subprocess.Popen:
     fh = open(log, "ab")
     return subprocess.Popen([sys.executable, "-m", "llmbatch", *args], stdout=fh, stderr=subprocess.STDOUT,
                             env=env, start_new_session=True)
-
-
-def committed(job_dir: Path) -> int:
-    job = JobDir(job_dir)
-    if not job.exists() or not job.meta().ingested:
-        return 0
-    return job.state().counts()["done"]
-
-
-def wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen | None = None, step: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"the driver exited ({proc.returncode}) before: {what}")
-        time.sleep(step)
-    raise AssertionError(f"timed out waiting for: {what}")
 
 
 def kill9(proc: subprocess.Popen) -> None:
@@ -156,30 +139,16 @@ def test_sigkill_at_three_points_and_sigint_then_resume_exactly_once(ray_cluster
     assert [r["state"] for r in runs][-2:] == ["stopped", "finished"]
 
 
-def _engine_actor_pids() -> list[int]:
-    """Ray actor processes that host a vLLM engine (parents of VLLM::EngineCore)."""
-    pids = set()
-    for proc in psutil.process_iter(["name", "cmdline"]):
-        try:
-            if "VLLM::EngineCore" in " ".join(proc.info["cmdline"] or []) or proc.info["name"] == "VLLM::EngineCore":
-                parent = proc.parent()
-                if parent is not None and "StageRunner" in " ".join(parent.cmdline()):
-                    pids.add(parent.pid)
-        except psutil.Error:
-            continue
-    return sorted(pids)
-
-
 def test_engine_replica_killed_mid_run_loses_no_row(ray_cluster, smollm2, tmp_path):
-    rows = 96
+    rows = 48
     job_file, job_dir = write_job(tmp_path, rows, long_tail=10)
     log = tmp_path / "driver.log"
     p = cli("run", str(job_file), "--quiet", log=log)
     wait_for(lambda: committed(job_dir) >= 16, 400, "first parts", p)
-    actors = _engine_actor_pids()
+    actors = engine_replicas("StageRunner")
     assert len(actors) == 1, actors
     assert committed(job_dir) < rows, "the job should still be running when its replica is killed"
-    os.kill(actors[0], signal.SIGKILL)
+    actors[0].send_signal(signal.SIGKILL)
     assert p.wait(timeout=900) == 0, log.read_text()[-3000:]
     ok, errors = output_ids(job_dir)
     assert sorted(ok + errors) == list(range(1, rows + 1))

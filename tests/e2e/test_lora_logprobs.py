@@ -11,15 +11,13 @@ logprob for logprob.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pyarrow as pa
 import pytest
+from beside import Beside
 
 pytestmark = pytest.mark.e2e
-HERE = Path(__file__).parent
 PLAIN = dict(max_model_len=256, kv_cache_memory_bytes=256 << 20, enforce_eager=True)
 ENGINE = dict(PLAIN, max_lora_rank=16, max_loras=4)
 ADAPTERS = ["smollm2-lora-a", "smollm2-lora-b", "smollm2-lora-c"]
@@ -52,18 +50,21 @@ def run(rows, **config_fields):
     return {r["i"]: r for r in processor(ray.data.from_items(rows)).take_all()}
 
 
-def reference(rows, smollm2, loras, engine_kwargs, work) -> dict:
-    """The same requests through plain ``vllm.LLM.generate`` in a subprocess."""
+def reference(rows, smollm2, loras, engine_kwargs, work) -> Beside:
+    """The same requests through plain ``vllm.LLM.generate``, started in a subprocess that runs
+    beside llmbatch's own engine; :func:`answers` reads what it wrote."""
     from llmbatch.models import load_tokenizer
 
     tok = load_tokenizer(smollm2)
     ref_rows = [{"ids": tok(r["text"], add_special_tokens=True)["input_ids"], "sampling_params": params(r),
                  "lora": str(Path(loras) / r["model"]) if r["model"] else None} for r in rows]
     (work / "req.json").write_text(json.dumps({"model": smollm2, "engine_kwargs": engine_kwargs, "rows": ref_rows}))
-    proc = subprocess.run([sys.executable, str(HERE / "vllm_reference.py"), str(work / "req.json"),
-                           str(work / "ans.json")], capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return dict(zip([r["i"] for r in rows], json.loads((work / "ans.json").read_text())))
+    return Beside("vllm_reference.py", work / "req.json", work / "ans.json", log=work / "ref.log")
+
+
+def answers(rows, ref: Beside) -> dict:
+    ref.wait()
+    return dict(zip([r["i"] for r in rows], json.loads((ref.log.parent / "ans.json").read_text())))
 
 
 @pytest.fixture(scope="module")
@@ -71,8 +72,6 @@ def answered(ray_cluster, smollm2, test_models, tmp_path_factory):
     # an engine without LoRA: logprobs and prompt logprobs
     base = [{"i": i, "text": t, "model": None, "want_lp": True, "prompt_lp": True}
             for i, t in enumerate(prompts(BASE_ROWS))]
-    out = run(base, engine_kwargs=PLAIN)
-    ref = reference(base, smollm2, test_models["loras"], PLAIN, tmp_path_factory.mktemp("ref-plain"))
     # one batch mixing base rows and three adapters (logprobs; vLLM's CPU LoRA kernels cannot
     # give prompt logprobs, so rows asking for them are error rows there)
     mixed = [{"i": 300 + j, "text": t, "model": None, "want_lp": True, "prompt_lp": False}
@@ -84,9 +83,12 @@ def answered(ray_cluster, smollm2, test_models, tmp_path_factory):
               {"i": 201, "text": "hello", "model": "smollm2-lora-wide", "want_lp": False, "prompt_lp": False},
               {"i": 202, "text": "hello", "model": "smollm2-lora-a", "want_lp": True, "prompt_lp": True},
               {"i": 203, "text": "hello", "model": None, "want_lp": True, "prompt_lp": True}]
-    out.update(run(mixed + broken, engine_kwargs=ENGINE, dynamic_lora_loading_path=test_models["loras"]))
-    ref.update(reference(mixed, smollm2, test_models["loras"], {**ENGINE, "enable_lora": True},
-                         tmp_path_factory.mktemp("ref-lora")))
+    with reference(base, smollm2, test_models["loras"], PLAIN, tmp_path_factory.mktemp("ref-plain")) as ref_plain, \
+            reference(mixed, smollm2, test_models["loras"], {**ENGINE, "enable_lora": True},
+                      tmp_path_factory.mktemp("ref-lora")) as ref_lora:
+        out = run(base, engine_kwargs=PLAIN)
+        out.update(run(mixed + broken, engine_kwargs=ENGINE, dynamic_lora_loading_path=test_models["loras"]))
+        ref = {**answers(base, ref_plain), **answers(mixed, ref_lora)}
     return base + mixed + broken, out, ref
 
 

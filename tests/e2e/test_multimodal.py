@@ -19,15 +19,12 @@ import io
 import json
 import pickle
 import socket
-import subprocess
-import sys
 import threading
-from pathlib import Path
 
 import pytest
+from beside import Beside
 
 pytestmark = pytest.mark.e2e
-HERE = Path(__file__).parent
 CAP = 400_000
 ENGINE = dict(max_model_len=512, kv_cache_memory_bytes=128 << 20, enforce_eager=True,
               limit_mm_per_prompt={"image": 2})
@@ -128,6 +125,12 @@ def answered(ray_cluster, test_models, image_rows, tmp_path_factory):
 
     good, bad, root = image_rows
     model = test_models["tiny-vlm"]
+    # plain LLM.chat answers the good rows in a subprocess while llmbatch runs (each engine
+    # uses one core of this machine's two)
+    work = tmp_path_factory.mktemp("ref")
+    request = {"model": model, "engine_kwargs": ENGINE, "sampling_params": SAMPLING,
+               "conversations": [messages(r, image=reference_part) for r in good]}
+    (work / "req.pkl").write_bytes(pickle.dumps(request))
     config = vLLMEngineProcessorConfig(
         model_source=model, engine_kwargs=dict(ENGINE, allowed_local_media_path=str(root)), batch_size=8,
         should_continue_on_error=True,
@@ -136,14 +139,9 @@ def answered(ray_cluster, test_models, image_rows, tmp_path_factory):
                                 postprocess=lambda r: dict(i=r["i"], tokens=r.get("generated_tokens"),
                                                            n_in=r.get("num_input_tokens"), prompt=r.get("prompt"),
                                                            error=r["__inference_error__"]))
-    out = {r["i"]: r for r in processor(ray.data.from_items(good + bad)).take_all()}
-    work = tmp_path_factory.mktemp("ref")
-    request = {"model": model, "engine_kwargs": ENGINE, "sampling_params": SAMPLING,
-               "conversations": [messages(r, image=reference_part) for r in good]}
-    (work / "req.pkl").write_bytes(pickle.dumps(request))
-    proc = subprocess.run([sys.executable, str(HERE / "vllm_chat_reference.py"), str(work / "req.pkl"),
-                           str(work / "ans.json")], capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    with Beside("vllm_chat_reference.py", work / "req.pkl", work / "ans.json", log=work / "ref.log") as reference:
+        out = {r["i"]: r for r in processor(ray.data.from_items(good + bad)).take_all()}
+        reference.wait()
     ref = dict(zip([r["i"] for r in good], json.loads((work / "ans.json").read_text())))
     return good, out, ref
 

@@ -16,12 +16,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+from waiting import wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -29,17 +29,6 @@ ROWS = 400
 FILES = 8
 BAD = {i for i in range(ROWS) if i % 50 == 7}  # the endpoint answers 400 to these
 HERE = Path(__file__).parent
-
-
-def wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"the run exited ({proc.returncode}) before: {what}")
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for: {what}")
 
 
 @pytest.fixture

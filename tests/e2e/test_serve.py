@@ -13,6 +13,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from own_cluster import cluster_processes, command_line
 
 pytestmark = pytest.mark.e2e
 
@@ -23,14 +24,7 @@ import shared_engine  # noqa: E402 - the example's pipeline is what the tests ru
 
 
 def _replica_pids() -> list[int]:
-    pids = []
-    for proc in psutil.process_iter(["cmdline"]):
-        try:
-            if f"ServeReplica:{APP}:{DEPLOYMENT}" in " ".join(proc.info["cmdline"] or []):
-                pids.append(proc.pid)
-        except psutil.Error:
-            continue
-    return pids
+    return [p.pid for p in cluster_processes() if f"ServeReplica:{APP}:{DEPLOYMENT}" in command_line(p)]
 
 
 def _engines_of(pids: list[int]) -> list[int]:
