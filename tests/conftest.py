@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from suite_order import LONGEST_FIRST
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("RAY_DEDUP_LOGS", "1")
@@ -98,13 +99,6 @@ def test_models(minilm, smollm2) -> dict:
     from llmbatch.toy_models import make_test_models
 
     return {name: str(path) for name, path in make_test_models().items()}
-
-
-#: The longest test files (minutes each on a 2-core machine), started first: ``make test`` runs
-#: two files at a time, and a long file started last would leave one worker running it alone.
-LONGEST_FIRST = ("tests/e2e/test_plan_shapes.py", "tests/e2e/test_examples.py", "tests/e2e/test_openai_server.py",
-                 "tests/e2e/test_tasks.py", "tests/e2e/test_jobs.py", "tests/e2e/test_processor_vllm.py",
-                 "tests/e2e/test_serve.py", "tests/e2e/test_errors.py")
 
 
 def pytest_collection_modifyitems(config, items):
