@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import pytest
-from suite_order import LONGEST_FIRST
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("RAY_DEDUP_LOGS", "1")
@@ -100,7 +99,3 @@ def test_models(minilm, smollm2) -> dict:
 
     return {name: str(path) for name, path in make_test_models().items()}
 
-
-def pytest_collection_modifyitems(config, items):
-    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: files stay whole
