@@ -59,10 +59,17 @@ def write_job(tmp_path: Path, rows: int, *, long_tail: int = 20) -> tuple[Path, 
     return job, tmp_path / "out" / "notes.parquet.job"
 
 
+# `python -m llmbatch ARGS` with Ctrl-C's default meaning: a process started in the background
+# (`cmd &`, nohup, some CI runners) inherits SIGINT ignored, and Python keeps it ignored, so the
+# test's Ctrl-C would never reach the driver
+DRIVER = ("import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+          "sys.argv[0] = 'llmbatch'; runpy.run_module('llmbatch', run_name='__main__', alter_sys=True)")
+
+
 def cli(*args: str, log: Path) -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     fh = open(log, "ab")
-    return subprocess.Popen([sys.executable, "-m", "llmbatch", *args], stdout=fh, stderr=subprocess.STDOUT,
+    return subprocess.Popen([sys.executable, "-c", DRIVER, *args], stdout=fh, stderr=subprocess.STDOUT,
                             env=env, start_new_session=True)
 
 
