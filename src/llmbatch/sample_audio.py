@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from llmbatch.sample_images import write_items
+
 NOTES = {"A3": 220.0, "C4": 261.63, "E4": 329.63, "G4": 392.0, "A4": 440.0, "C5": 523.25, "E5": 659.26}
 KINDS = ["tone", "chord", "chirp", "beeps"]
 
@@ -86,11 +88,4 @@ def sample_audio(n: int, seed: int = 0, corrupt: int = 0, rate: int = 16000) -> 
 
 def write_audio_folder(folder: str | os.PathLike, n: int, seed: int = 0, corrupt: int = 0) -> list[Path]:
     """The sample clips as WAV files in ``folder`` (created); returns their paths."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for item in sample_audio(n, seed, corrupt):
-        path = folder / item["name"]
-        path.write_bytes(item["audio"])
-        paths.append(path)
-    return paths
+    return write_items(folder, sample_audio(n, seed, corrupt), "audio")

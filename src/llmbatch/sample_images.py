@@ -71,12 +71,17 @@ def sample_images(n: int, seed: int = 0, corrupt: int = 0, size: tuple[int, int]
 
 def write_image_folder(folder: str | os.PathLike, n: int, seed: int = 0, corrupt: int = 0) -> list[Path]:
     """The sample images as files in ``folder`` (created); returns their paths."""
+    return write_items(folder, sample_images(n, seed, corrupt), "image")
+
+
+def write_items(folder: str | os.PathLike, items: list[dict], key: str) -> list[Path]:
+    """Each item's ``key`` bytes as the file ``folder/item["name"]`` (folder created); the paths."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     paths = []
-    for item in sample_images(n, seed, corrupt):
+    for item in items:
         path = folder / item["name"]
-        path.write_bytes(item["image"])
+        path.write_bytes(item[key])
         paths.append(path)
     return paths
 
