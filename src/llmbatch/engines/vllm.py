@@ -108,6 +108,12 @@ class VLLMEngine:
                 f"vLLM could not start model '{self.model_source}' ({self.model_path}): {one_line(exc)} "
                 f"(the engine's full log: {self.log.path})"
             ) from exc
+        runner = config.model_config.runner_type
+        if self.task_type == "generate" and runner != "generate":
+            await self.close()
+            raise EngineStartError(
+                f"model '{self.model_source}' is a {runner} model (it cannot generate text): set "
+                "task_type='embed', 'classify' or 'score' (job files: task), or pick a chat model")
         self.on_cpu = on_cpu()
         self.cross_encoder = self.task_type in ("score", "classify") and is_sequence_classifier(self.model_path)
         self.labels = id2label(self.model_path)

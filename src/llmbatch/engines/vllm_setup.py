@@ -12,9 +12,11 @@ from llmbatch.errors import EngineStartError, MissingDependencyError
 from llmbatch.models import is_sequence_classifier
 
 GiB = 1 << 30
-#: vLLM runner/convert per task type (as Ray maps them).
+#: vLLM runner/convert per task type (as Ray maps them). Generation leaves vLLM's ``auto``, as
+#: ``vllm.LLM`` does: the runner is part of vLLM's torch.compile cache key, so naming it would
+#: make every llmbatch engine miss the compile cache that plain vLLM warmed for the same model.
 TASK_RUNNERS = {
-    "generate": {"runner": "generate"},
+    "generate": {},
     "embed": {"runner": "pooling", "convert": "embed"},
     "classify": {"runner": "pooling", "convert": "classify"},
     "score": {"runner": "pooling", "convert": "classify"},
