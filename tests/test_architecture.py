@@ -133,3 +133,12 @@ def test_test_module_names_are_unique():
         seen.setdefault(path.name, path)
     assert not clashes, f"rename one of each pair: {clashes}"
 
+
+
+def test_the_files_scheduled_first_exist():
+    """suite_schedule.LONGEST_FIRST names test files by path: a renamed file would quietly lose
+    its place at the front of ``make test``."""
+    from suite_schedule import LONGEST_FIRST
+
+    repo = Path(__file__).resolve().parents[1]
+    assert [p for p in LONGEST_FIRST if not (repo / p).is_file()] == []

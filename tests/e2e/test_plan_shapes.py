@@ -31,10 +31,16 @@ CANNOT_RUN = {1: {"checkpoint_rerun"}}
 @pytest.fixture(scope="module")
 def results(smollm2, tmp_path_factory):
     procs = {}
-    for cpus in (2, 1):
+    # the two runs' engines compute on different cores where this test has two (vLLM on CPU
+    # binds its compute threads to the first core by itself); tests/conftest.py may have
+    # given this worker its own core already
+    cores = sorted(os.sched_getaffinity(0))
+    for i, cpus in enumerate((2, 1)):
         work = tmp_path_factory.mktemp(f"shapes{cpus}")
         out = work / "result.json"
         env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        if "VLLM_CPU_OMP_THREADS_BIND" not in env and len(cores) >= 2:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = str(cores[i % len(cores)])
         cmd = [sys.executable, str(HERE / "plan_shapes.py"), "--cpus", str(cpus), "--out", str(out),
                "--work", str(work), "--stall-timeout", str(STALL_S)]
         procs[cpus] = (subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env), out)
