@@ -34,16 +34,24 @@ def command_line(proc: psutil.Process) -> str:
         return ""
 
 
-def engine_replicas(title: str = "") -> list[psutil.Process]:
-    """The cluster's actor processes that host a vLLM engine (parents of ``VLLM::EngineCore``),
-    whose process title contains ``title`` (e.g. ``MapWorker``, ``ServeReplica:app:dep``)."""
-    out = {}
+def engines(title: str = "") -> list[tuple[psutil.Process, psutil.Process]]:
+    """The cluster's vLLM engine processes (``VLLM::EngineCore``), each with the Ray actor
+    process that hosts it (its nearest ``ray::`` ancestor: the engine process is a child of
+    the replica's fork server, engines/vllm_procs.py), for actors whose process title contains
+    ``title`` (e.g. ``MapWorker``, ``ServeReplica:app:dep``)."""
+    out = []
     for proc in cluster_processes():
-        if "VLLM::EngineCore" in command_line(proc):
-            try:
-                parent = proc.parent()
-            except psutil.Error:
-                continue
-            if parent is not None and title in command_line(parent):
-                out[parent.pid] = parent
-    return sorted(out.values(), key=lambda p: p.pid)
+        if "VLLM::EngineCore" not in command_line(proc):
+            continue
+        try:
+            actor = next((a for a in proc.parents() if command_line(a).startswith("ray::")), None)
+        except psutil.Error:
+            continue
+        if actor is not None and title in command_line(actor):
+            out.append((actor, proc))
+    return sorted(out, key=lambda pair: pair[0].pid)
+
+
+def engine_replicas(title: str = "") -> list[psutil.Process]:
+    """The cluster's actor processes that host a vLLM engine (see :func:`engines`)."""
+    return list({actor.pid: actor for actor, _ in engines(title)}.values())

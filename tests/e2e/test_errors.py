@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from own_cluster import command_line, engine_replicas
+from own_cluster import engines
 from waiting import committed, wait_for
 
 pytestmark = pytest.mark.e2e
@@ -278,7 +278,7 @@ def test_killing_the_engine_process_loses_no_row(ray_cluster, smollm2, tmp_path)
     job_dir = tmp_path / "o.parquet.job"
 
     wait_for(lambda: committed(job_dir) >= 8, 400, "the first committed rows", p, step=0.2)
-    cores = [c for r in engine_replicas("MapWorker") for c in r.children() if "VLLM::EngineCore" in command_line(c)]
+    cores = [core for _, core in engines("MapWorker")]
     assert len(cores) == 1 and committed(job_dir) < ROWS_KILLED, "the job should still be running"
     cores[0].send_signal(signal.SIGKILL)
     assert p.wait(timeout=900) == 0, (tmp_path / "driver.log").read_text()[-3000:]

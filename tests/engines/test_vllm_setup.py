@@ -41,3 +41,32 @@ def test_generating_with_an_embedding_model_fails_at_start_saying_what_to_set(mi
     with pytest.raises(EngineStartError, match=r"is a pooling model .*set task_type='embed'"):
         asyncio.run(engine.start())
     assert engine.llm is None  # the engine it had started is closed
+
+
+def test_in_a_ray_actor_the_engine_process_comes_from_the_warm_fork_server(ray_cluster, smollm2):
+    """A replica's vLLM engine process is forked from llmbatch's fork server (which imported
+    vLLM beside the replica), not spawned afresh, and answers as usual."""
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class Replica:
+        async def start_and_ask(self, model: str):
+            import psutil
+
+            from llmbatch.engines.vllm import VLLMEngine
+
+            engine = VLLMEngine(model_source=model, engine_kwargs={"max_model_len": 256,
+                                                                    "kv_cache_memory_bytes": 256 << 20})
+            await engine.start()
+            try:
+                core = [p for p in psutil.Process().children(recursive=True) if p.name() == "VLLM::EngineCore"]
+                parents = [" ".join(p.parent().cmdline()) for p in core]
+                row = {"prompt": "The capital of France is", "sampling_params": {"max_tokens": 4, "temperature": 0}}
+                answer = await engine.run(engine.build_request(row))
+            finally:
+                await engine.close()
+            return parents, answer["generated_text"]
+
+    parents, text = ray.get(Replica.remote().start_and_ask.remote(smollm2), timeout=300)
+    assert parents and all("multiprocessing.forkserver" in p for p in parents), parents
+    assert text.strip()

@@ -25,7 +25,8 @@ from llmbatch.engines.vllm_params import (
     request_digest,
     sampling_params,
 )
-from llmbatch.engines.vllm_setup import _import_vllm, _ray_stat_logger, engine_arguments, on_cpu, one_line
+from llmbatch.engines import vllm_procs
+from llmbatch.engines.vllm_setup import _import_vllm, _ray_stat_logger, engine_arguments, engine_env, on_cpu, one_line
 from llmbatch.errors import EngineStartError, RowValidationError
 from llmbatch.models import (
     id2label,
@@ -67,6 +68,8 @@ class VLLMEngine:
         self.labels: dict[int, str] = {}
         self.adapters: Adapters | None = None
         self._tokenizer = None
+        #: whether vLLM's engine process comes from a warm fork server (engines/vllm_procs.py)
+        self._fork_server: bool | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -76,6 +79,11 @@ class VLLMEngine:
             self.log = EngineLog()
         watch_children()  # the engine's processes never outlive this replica
         with self.log.capture():
+            if self._fork_server is None:  # once per replica; its output goes to the engine log
+                self._fork_server = vllm_procs.wanted(self.engine_kwargs)
+                if self._fork_server:
+                    engine_env()
+                    self._fork_server = vllm_procs.start_server()
             await self._start()
         self.log.take_loggers()
 
@@ -98,6 +106,8 @@ class VLLMEngine:
             known = [f for f in vllm.AsyncEngineArgs.__dataclass_fields__]
             hint = _suggest(bad.group(1), known) if bad else ""
             raise EngineStartError(f"engine_kwargs: {exc}{hint}") from exc
+        if self._fork_server:
+            vllm_procs.use_server()
         try:
             # Offline-batch defaults (vLLM's LLM class: e.g. max_num_seqs 1024 and 16k batched
             # tokens on an H100), not the serving defaults AsyncLLM would pick (128 and 2k).

@@ -23,10 +23,15 @@ TASK_RUNNERS = {
 }
 
 
-def _import_vllm():
+def engine_env() -> None:
+    """The environment llmbatch gives vLLM unless the user set it (quiet, no usage reports)."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     os.environ.setdefault("DO_NOT_TRACK", "1")
+
+
+def _import_vllm():
+    engine_env()
     try:
         import vllm
     except ImportError as exc:
