@@ -2,6 +2,7 @@
 
     python bench/throughput.py                          # 500 unique prompts: vLLM vs llmbatch
     python bench/throughput.py --workloads unique,customers,duplicates,mixed --systems vllm,llmbatch,ray
+    python bench/throughput.py --merge r1.json r2.json r3.json  # one table from several calls' --json-out
 
 Each (workload, system) runs in a fresh process (``run_system.py``), on the same model,
 prompts and pinned engine settings; every system writes its answers to a Parquet file.
@@ -68,8 +69,17 @@ def summary(runs: list[dict]) -> dict:
         "generated_tok_s": spread([r["generated_tokens"] / r["engine_window_s"] for r in ok]),
         "delivered_tok_s": spread([r["output_tokens"] / r["engine_window_s"] for r in ok]),
         "estimated": any(r.get("first_request_estimated") for r in ok),
+        "phases_s": _median_phases([r["phases_s"] for r in ok if r.get("phases_s")]),
         "last": ok[-1],
     }
+
+
+def _median_phases(runs: list[dict]) -> dict | None:
+    """Each start-up phase's median over the runs that recorded phases."""
+    if not runs:
+        return None
+    keys = [k for k in runs[0] if all(r.get(k) is not None for r in runs)]
+    return {k: round(statistics.median(r[k] for r in runs), 2) for k in keys}
 
 
 def same_answers(a: dict, b: dict) -> float | None:
@@ -99,7 +109,10 @@ def main() -> None:
     p.add_argument("--extra", default="", help="extra arguments for run_system.py (e.g. --no-dedup)")
     p.add_argument("--repeat", type=int, default=3, help="runs per system, interleaved, order turning each round")
     p.add_argument("--rows-per-workload", default="", help="e.g. mixed=120,dates=300 (others use --rows)")
+    p.add_argument("--merge", nargs="+", help="print one table from the --json-out files of several calls")
     args = p.parse_args()
+    if args.merge:
+        return merge(args.merge)
     systems = args.systems.split(",")
     per_workload = dict(item.split("=") for item in args.rows_per_workload.split(",") if item)
     results = []
@@ -119,6 +132,16 @@ def main() -> None:
     if args.json_out:
         slim = [{k: v for k, v in r.items() if k != "texts"} for r in results]  # answers stay in the run folders
         Path(args.json_out).write_text(json.dumps(slim, indent=2))
+
+
+def merge(paths: list[str]) -> None:
+    """One table per workload from the runs of several calls (e.g. one round per call on a
+    lent machine, the order turned between calls)."""
+    runs = [r for path in paths for r in json.loads(Path(path).read_text())]
+    for workload in dict.fromkeys(r["workload"] for r in runs):
+        systems = dict.fromkeys(r["system"] for r in runs if r["workload"] == workload)
+        print_table(workload, {s: summary([r for r in runs if r["workload"] == workload and r["system"] == s])
+                               for s in systems})
 
 
 def print_table(workload: str, by_system: dict) -> None:
@@ -148,9 +171,9 @@ def print_table(workload: str, by_system: dict) -> None:
             agree_text = f"; same answers on {agree:.0%} of rows" if agree is not None else ""
             print(f"\n{name} / {ref} (medians): rows/s wall {lb['wall_rows_s'][0] / m['wall_rows_s'][0]:.3f}, "
                   f"engine window {lb['window_rows_s'][0] / m['window_rows_s'][0]:.3f}{agree_text}")
-        phases = lb["last"].get("phases_s")
+        phases = lb.get("phases_s")
         if phases:
-            print(f"{name} phases (last run, s): " + ", ".join(f"{k} {v}" for k, v in phases.items()))
+            print(f"{name} phases (median of {lb['runs']} runs, s): " + ", ".join(f"{k} {v}" for k, v in phases.items()))
     print(flush=True)
 
 
