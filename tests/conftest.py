@@ -131,7 +131,8 @@ _file_seconds: dict[str, float] = {}
 
 
 def pytest_runtest_logreport(report):
-    _file_seconds[report.nodeid.split("::")[0]] = _file_seconds.get(report.nodeid.split("::")[0], 0.0) + report.duration
+    path = report.nodeid.split("::")[0]
+    _file_seconds[path] = _file_seconds.get(path, 0.0) + report.duration
 
 
 def pytest_terminal_summary(terminalreporter):

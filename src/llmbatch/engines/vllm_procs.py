@@ -32,8 +32,9 @@ PRELOAD = ("vllm", "vllm.v1.engine.core", "vllm.v1.executor.abstract", "vllm.v1.
            "vllm.v1.executor.multiproc_executor")
 
 
-#: the replica's VLLM_WORKER_MULTIPROC_METHOD before vLLM forced it to "spawn" for itself
-_USER_METHOD: list[str | None] = []
+#: whether the user set VLLM_WORKER_MULTIPROC_METHOD (read when the server starts, before vLLM
+#: forces "spawn" on the replica for itself)
+_user_method_set = False
 
 
 class _EnvForkServerProcess(mp_context.ForkServerProcess):
@@ -43,7 +44,7 @@ class _EnvForkServerProcess(mp_context.ForkServerProcess):
 
     def start(self) -> None:
         env = dict(os.environ)
-        if _USER_METHOD and _USER_METHOD[0] is None:
+        if not _user_method_set:
             env.pop("VLLM_WORKER_MULTIPROC_METHOD", None)
         self._parent_env = env
         super().start()
@@ -100,7 +101,8 @@ def in_ray_actor() -> bool:
 
 def start_server() -> bool:
     """Start the fork server (it imports vLLM in the background); returns whether it runs."""
-    _USER_METHOD[:] = [os.environ.get("VLLM_WORKER_MULTIPROC_METHOD")]
+    global _user_method_set
+    _user_method_set = "VLLM_WORKER_MULTIPROC_METHOD" in os.environ
     try:
         _CONTEXT.set_forkserver_preload(list(PRELOAD))
         from multiprocessing import forkserver
