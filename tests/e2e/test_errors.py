@@ -278,6 +278,9 @@ def test_killing_the_engine_process_loses_no_row(ray_cluster, smollm2, tmp_path)
     job_dir = tmp_path / "o.parquet.job"
 
     wait_for(lambda: committed(job_dir) >= 8, 400, "the first committed rows", p, step=0.2)
+    # the process table is read while Ray's workers come and go: look again for a few seconds
+    # before deciding there is no engine process (seen once: none found while rows were committed)
+    wait_for(lambda: len(engines("MapWorker")) == 1, 20, "the one engine process", p, step=0.5)
     cores = [core for _, core in engines("MapWorker")]
     assert len(cores) == 1 and committed(job_dir) < ROWS_KILLED, "the job should still be running"
     cores[0].send_signal(signal.SIGKILL)
