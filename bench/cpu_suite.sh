@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
-# The CPU table of bench/RESULTS.md: every workload, one after another, on this machine.
-# usage: bash bench/cpu_suite.sh [OUTDIR]      (about an hour on 2 cores)
+# The CPU tables of bench/RESULTS.md on the method (issue 14): every workload but "unique"
+# (bench/cpu-results/method-v2/unique-500.json has its own call), three interleaved rounds each,
+# the order turning each round, engine settings pinned identical for every system.
+# usage: PYTHON=.venv/bin/python bash bench/cpu_suite.sh [OUTDIR]    (about 70 minutes on 2 cores)
 set -uo pipefail
 OUT=${1:-bench-out}
 mkdir -p "$OUT"
 PY=${PYTHON:-python}
 B="$(dirname "$0")/throughput.py"
-$PY "$B" --workloads unique --rows 500 --systems vllm,llmbatch,ray --repeat 2 --json-out "$OUT/unique.json" | tee "$OUT/unique.md"
+run() { local name=$1; shift; $PY "$B" --repeat 3 --json-out "$OUT/$name.json" "$@" | tee "$OUT/$name.md"; }
+run customers-500 --workloads customers --rows 500 --systems vllm,llmbatch,llmbatch-job,ray
+run duplicates-400 --workloads duplicates --rows 400 --systems vllm,llmbatch,llmbatch-job
+run dates-300 --workloads dates --rows 300 --systems vllm,llmbatch,ray
 # small batches so that many batches pass through the replica (the regime of a large job)
-$PY "$B" --workloads mixed --rows 240 --batch-size 16 --systems vllm,llmbatch,ray --json-out "$OUT/mixed.json" | tee "$OUT/mixed.md"
-$PY "$B" --workloads customers --rows 500 --systems vllm,llmbatch,llmbatch-job,ray --json-out "$OUT/customers.json" | tee "$OUT/customers.md"
-$PY "$B" --workloads duplicates --rows 400 --systems vllm,llmbatch --json-out "$OUT/duplicates.json" | tee "$OUT/duplicates.md"
-$PY "$B" --workloads dates --rows 300 --systems vllm,llmbatch,ray --json-out "$OUT/dates.json" | tee "$OUT/dates.md"
+run mixed-120 --workloads mixed --rows 120 --batch-size 16 --systems vllm,llmbatch,ray
