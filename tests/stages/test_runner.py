@@ -46,3 +46,59 @@ def test_middle_operators_pass_encoded_rows_and_the_job_sink_keeps_its_private_c
 def test_heartbeat_probe_says_ready_after_start():
     runner = StageRunner([Answer()])
     assert runner._probe() == {"state": "ready", "waiting_since": 0.0, "in_flight": 0, "done": 0}
+
+
+class SlowEngine(Stage):
+    """An engine whose start lasts until the CPU stage beside it has loaded."""
+    name = "engine"
+    starts_engine = True
+
+    def __init__(self, events):
+        super().__init__()
+        self.events = events
+
+    def begin(self):
+        self.events["order"].append("engine begin")
+
+    async def start(self):
+        self.events["engine started"].set()
+        assert self.events["cpu loaded"].wait(10), "the CPU stage did not load while the engine started"
+        self.events["order"].append("engine ready")
+
+
+class LoadingStage(Stage):
+    name = "multimodal"
+
+    def __init__(self, events):
+        super().__init__()
+        self.events = events
+
+    def begin(self):
+        self.events["order"].append("cpu begin")
+
+    async def start(self):
+        assert self.events["engine started"].wait(10), "the engine's start did not begin beside this one"
+        self.events["order"].append("cpu loaded")
+        self.events["cpu loaded"].set()
+
+
+def test_the_engine_starts_while_the_cpu_stages_load():
+    """A replica's engine start (vLLM's own set-up) and the CPU stages' loading (a multimodal
+    stage's model config and tokenizer) run side by side, not one after the other; begin()
+    runs first, the engine's before the others'."""
+    import threading
+
+    events = {"order": [], "engine started": threading.Event(), "cpu loaded": threading.Event()}
+    StageRunner([LoadingStage(events), SlowEngine(events)])
+    assert events["order"] == ["engine begin", "cpu begin", "cpu loaded", "engine ready"]
+
+
+def test_a_cpu_stage_that_cannot_load_fails_the_replica_with_its_reason():
+    import pytest
+
+    class Broken(Stage):
+        async def start(self):
+            raise ValueError("no model config")
+
+    with pytest.raises(ValueError, match="no model config"):
+        StageRunner([Broken(), Answer()])

@@ -75,17 +75,23 @@ class VLLMEngine:
 
     async def start(self) -> None:
 
+        self.begin()
+        with self.log.capture():
+            await self._start()
+        self.log.take_loggers()
+
+    def begin(self) -> None:
+        """Launch what the engine's start will use, without waiting for it: the fork server
+        its engine process comes from (it imports vLLM in the background). Once per replica."""
         if self.log is None:
             self.log = EngineLog()
         watch_children()  # the engine's processes never outlive this replica
-        with self.log.capture():
-            if self._fork_server is None:  # once per replica; its output goes to the engine log
+        if self._fork_server is None:
+            with self.log.capture():  # the server's output goes to the engine log
                 self._fork_server = vllm_procs.wanted(self.engine_kwargs)
                 if self._fork_server:
                     engine_env()
                     self._fork_server = vllm_procs.start_server()
-            await self._start()
-        self.log.take_loggers()
 
     async def _start(self) -> None:
         vllm = self._vllm = _import_vllm()

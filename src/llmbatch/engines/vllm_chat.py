@@ -57,6 +57,21 @@ class VllmChat:
     def __getstate__(self):
         return {**self.__dict__, "model_config": None, "tokenizer": None, "content_format": None, "audio_rate": None}
 
+    @staticmethod
+    def preload() -> None:
+        """Import what :meth:`setup` and a vLLM engine's start both use, once, before they run
+        side by side on two threads (transformers' lazy top-level import is not safe to run
+        from two threads at once)."""
+        vllm = _import_vllm()
+        import transformers
+
+        vllm.EngineArgs  # noqa: B018 - vLLM's lazy attributes import here
+        for name in ("AutoConfig", "AutoTokenizer", "AutoProcessor"):
+            getattr(transformers, name)
+        importlib.import_module("vllm.renderers.hf")
+        importlib.import_module("vllm.tokenizers.registry")
+        importlib.import_module("vllm.v1.engine.async_llm")
+
     def setup(self) -> None:
         if self.model_config is not None:
             return

@@ -26,6 +26,9 @@ class Stage:
 
     #: The stage's name, as it appears in error texts ("tokenize", "engine", ...).
     name: ClassVar[str] = "stage"
+    #: Whether :meth:`start` starts an engine (it then runs on the runner's loop, beside the
+    #: other stages' starts, which run on a thread of their own: :class:`StageRunner`).
+    starts_engine: ClassVar[bool] = False
     #: Keys every (non-error) input row must have; missing keys fail the row.
     required_keys: ClassVar[tuple[str, ...]] = ()
     #: Alternative key sets: a row must have at least one key of each tuple.
@@ -42,6 +45,11 @@ class Stage:
 
     def setup(self) -> None:
         """Load heavy state (tokenizers). Runs once, in the worker, before first use."""
+
+    def begin(self) -> None:
+        """Runs first when a replica starts, on its own thread, before any stage's :meth:`start`
+        (engines' first): launch helper processes (an engine's fork server) and import what
+        the starts share, so that the starts can then run side by side."""
 
     async def start(self) -> None:
         """Acquire state that must exist before the first batch (the engine overrides this to

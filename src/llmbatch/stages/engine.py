@@ -46,6 +46,7 @@ class EngineStage(Stage):
     """Runs rows through an engine (see module docstring)."""
 
     name = "engine"
+    starts_engine = True
     required_any = (("tokenized_prompt", "prompt"),)
 
     def __init__(self, engine: Engine, *, max_pending_requests: int | None = None, dedup: bool = True,
@@ -64,6 +65,7 @@ class EngineStage(Stage):
         self.flush_rows = flush_rows
         self.flush_seconds = flush_seconds
         self.replica = ""
+        self.devices = ""
         self.start_at = 0.0  # when this replica began to start its engine
         self.ready_at = 0.0
         self.first_request_at = 0.0  # when this replica handed its engine its first request
@@ -84,8 +86,14 @@ class EngineStage(Stage):
         if prepare is not None:
             prepare()
 
+    def begin(self) -> None:
+        begin = getattr(self.engine, "begin", None)
+        if begin is not None:
+            begin()
+
     async def start(self) -> None:
         self.replica = f"{os.uname().nodename}:{os.getpid()}"  # the worker's, not the driver's
+        self.devices = os.environ.get("CUDA_VISIBLE_DEVICES", "")  # the GPUs Ray gave this replica
         self.start_at = time.time()
         await self.engine.start()
         limit = self.max_pending_requests
@@ -204,9 +212,9 @@ class EngineStage(Stage):
         row.update(result)
         row["batch_uuid"] = batch_uuid
         row[ERROR_COLUMN] = ""
-        row[STATS] = {"replica": self.replica, "cached_tokens": cached, "deduped": copied, "start_at": self.start_at,
-                      "ready_at": self.ready_at, "first_request_at": self.first_request_at,
-                      "restarts": self._generation, "finished_at": time.time()}
+        row[STATS] = {"replica": self.replica, "devices": self.devices, "cached_tokens": cached, "deduped": copied,
+                      "start_at": self.start_at, "ready_at": self.ready_at, "first_request_at": self.first_request_at,
+                      "restarts": self._generation, "finished_at": time.time(), "in_flight": self.in_flight}
         for key in ("sampling_params", "pooling_params", "tokenized_prompt"):
             row.pop(key, None)
         return row

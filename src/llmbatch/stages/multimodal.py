@@ -180,6 +180,9 @@ class PrepareMultimodalStage(Stage):
     def setup(self) -> None:
         self.chat.setup()
 
+    def begin(self) -> None:
+        self.chat.preload()
+
     async def start(self) -> None:
         """vLLM's model config and tokenizer load with the replica, before its first row (a
         model vLLM cannot make a config for fails the replica at once, with the reason)."""

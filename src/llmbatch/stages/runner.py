@@ -12,6 +12,7 @@ user's columns, the last one turns rows into typed Arrow columns.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
 import time
@@ -101,8 +102,7 @@ class StageRunner:
         if run_id is not None:
             self._heartbeat = Heartbeat(run_id, role, self._probe).start()
         self._loop = _LoopThread()
-        for stage in stages:
-            self._loop.run(stage.start())
+        self._start_stages()
         if run_id is not None and peers > 1:
             self._state = "waiting"
             self._waiting_since = time.time()
@@ -111,6 +111,23 @@ class StageRunner:
         self._state = "ready"
         if self._heartbeat is not None:
             self._heartbeat.beat()
+
+    def _start_stages(self) -> None:
+        """Start every stage. An engine's start (vLLM's own set-up: tens of seconds on a GPU)
+        runs on the loop while the other stages load what they need on a thread of their own
+        (a multimodal stage: vLLM's model config and the tokenizer), side by side instead of
+        one after the other; a stage that cannot start fails the replica with its reason."""
+        others = [s for s in self.stages if not s.starts_engine]
+        for stage in [s for s in self.stages if s.starts_engine] + others:
+            stage.begin()
+        engines = [asyncio.run_coroutine_threadsafe(s.start(), self._loop.loop) for s in self.stages
+                   if s.starts_engine]
+        if others:
+            with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="llmbatch-start") as pool:
+                for stage in others:
+                    pool.submit(asyncio.run, stage.start()).result()
+        for started in engines:
+            started.result()
 
     def _probe(self) -> dict[str, Any]:
         """What the heartbeat says: starting, and requests inside this worker's engine."""
