@@ -43,6 +43,8 @@ def engine_kwargs(args) -> dict:
         kw.update(gpu_memory_utilization=args.gpu_memory_utilization)
     if args.load_format:
         kw["load_format"] = args.load_format
+    if args.tensor_parallel_size > 1:
+        kw["tensor_parallel_size"] = args.tensor_parallel_size
     return kw
 
 
@@ -112,6 +114,7 @@ def _collect(ds, path: str) -> dict:
     first = None
     out_tokens = generated = in_tokens = n = 0
     starts, noted, ready = [], [], []
+    replicas: dict[str, dict] = {}
     texts = {}
     deduped = cached = 0
     writer = None
@@ -125,6 +128,9 @@ def _collect(ds, path: str) -> dict:
             cached += sum((st or {}).get("cached_tokens") or 0 for st in stats)
             noted += [st["first_request_at"] for st in stats if st and st.get("first_request_at")]
             ready += [st["ready_at"] for st in stats if st and st.get("ready_at")]
+            for st in stats:
+                if st and st.get("replica"):
+                    _replica_row(replicas, st)
         deduped += sum(copied)
         first = first or now
         n += batch.num_rows
@@ -144,9 +150,37 @@ def _collect(ds, path: str) -> dict:
               "first_request_at": min(noted) if noted else (min(starts) if starts else end),
               "first_request_estimated": not noted, "engine_ready_at": min(ready) if ready else None,
               "first_row_at": first or end, "last_row_at": end, "texts": texts}
+    if replicas:
+        result["replicas"] = {name: _per_second(rep) for name, rep in replicas.items()}
     if deduped or cached:
         result.update(dedup_ratio=round(deduped / max(1, n), 3), prefix_cache_hit_rate=round(cached / max(1, in_tokens), 3))
     return result
+
+
+def _replica_row(replicas: dict, st: dict) -> None:
+    """One answered row in its replica's record: its start-up times, rows, last answer and a
+    sample of its requests in flight when each row finished (the replica's fill over time)."""
+    rep = replicas.setdefault(st["replica"], {
+        "devices": st.get("devices", ""), "start_at": st["start_at"], "ready_at": st["ready_at"],
+        "first_request_at": st["first_request_at"], "rows": 0, "last_finished_at": 0.0, "finished": []})
+    rep["rows"] += 1
+    rep["last_finished_at"] = max(rep["last_finished_at"], st["finished_at"])
+    rep["finished"].append((round(st["finished_at"], 3), st.get("in_flight")))
+
+
+def _per_second(rep: dict) -> dict:
+    """A replica's answers as a timeline: rows answered in each second since the process start,
+    and the mean of its requests in flight as they finished."""
+    counts: dict[int, list] = {}
+    for at, in_flight in rep.pop("finished"):
+        second = counts.setdefault(int(at - PROCESS_START), [0, 0])
+        second[0] += 1
+        second[1] += in_flight or 0
+    first, last = min(counts), max(counts)
+    rep["timeline_from_s"] = first
+    rep["rows_per_s"] = [counts.get(t, [0, 0])[0] for t in range(first, last + 1)]
+    rep["in_flight"] = [round(counts[t][1] / counts[t][0]) if t in counts else None for t in range(first, last + 1)]
+    return rep
 
 
 def run_ray(rows, model_path, args) -> dict:
@@ -215,6 +249,33 @@ def run_llmbatch_job(rows, model_path, args) -> dict:
 SYSTEMS = {"vllm": run_vllm, "llmbatch": run_llmbatch, "ray": run_ray, "llmbatch-job": run_llmbatch_job}
 
 
+class GpuSampler:
+    """Every GPU's utilisation and memory every 0.5 s from ``nvidia-smi``, each sample stamped
+    with this machine's epoch time: ``[[t, gpu index, util %, memory MiB], ...]``."""
+
+    def __init__(self) -> None:
+        import subprocess
+        import threading
+
+        self.samples: list[list[float]] = []
+        self.proc = subprocess.Popen(
+            ["nvidia-smi", "--query-gpu=index,utilization.gpu,memory.used", "--format=csv,noheader,nounits",
+             "-lms", "500"], stdout=subprocess.PIPE, text=True)
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            parts = [p.strip() for p in line.split(",")]
+            if len(parts) == 3 and all(p.replace(".", "").isdigit() for p in parts):
+                self.samples.append([round(time.time(), 2), int(parts[0]), float(parts[1]), float(parts[2])])
+
+    def stop(self) -> list[list[float]]:
+        self.proc.terminate()
+        self.thread.join(timeout=5)
+        return self.samples
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--system", choices=sorted(SYSTEMS), required=True)
@@ -232,6 +293,9 @@ def main() -> None:
     p.add_argument("--no-sort", action="store_true")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--label", default="", help="this configuration's name in scaling reports")
+    p.add_argument("--gpu-util", action="store_true", help="sample every GPU's utilisation (nvidia-smi) into the JSON")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     args.out_parquet = str(Path(args.out).with_suffix(".parquet"))
@@ -239,11 +303,16 @@ def main() -> None:
 
     model_path = resolve_model(args.model)
     rows = WORKLOADS[args.workload](args.rows)
+    sampler = GpuSampler() if args.gpu_util else None
     result = SYSTEMS[args.system](rows, model_path, args)
+    if sampler is not None:
+        result["gpu_util"] = sampler.stop()
     result.update(system=args.system, workload=args.workload, process_start=PROCESS_START,
                   wall_s=result["last_row_at"] - PROCESS_START,
                   engine_window_s=result["last_row_at"] - result["first_request_at"],
-                  engine_kwargs=engine_kwargs(args), batch_size=args.batch_size, concurrency=args.concurrency)
+                  engine_kwargs=engine_kwargs(args), batch_size=args.batch_size, concurrency=args.concurrency,
+                  label=args.label or f"{args.system} x{args.concurrency}"
+                  + (f" tp{args.tensor_parallel_size}" if args.tensor_parallel_size > 1 else ""))
     Path(args.out).write_text(json.dumps(result))
     os._exit(0)
 
