@@ -115,6 +115,7 @@ def run_llmbatch(args, out: Path, pool: int | None = None) -> dict:
     from llmbatch.rows import STATS
 
     ray.init(include_dashboard=False, logging_level="WARNING")
+    ray_ready = time.time()
     ray.data.DataContext.get_current().enable_progress_bars = False
     # llmbatch-pool: the preprocess and the multimodal stage in a pool of CPU workers of their
     # own (images travel decoded to the replica); llmbatch: both inside the engine replica
@@ -137,7 +138,11 @@ def run_llmbatch(args, out: Path, pool: int | None = None) -> dict:
     ready = min((s["ready_at"] for s in stats if s.get("ready_at")), default=None)
     errors = table.num_rows - sum(1 for c in table.column("caption").to_pylist() if c is not None)
     ray.shutdown()
-    return {"ready_at": ready, "done_at": done, "rows": table.num_rows, "errors": errors,
+    # start-up phases: Ray up, the replica's engine start begun, its first request to the engine
+    phases = {"ray_ready_at": ray_ready,
+              "replica_start_at": min((s["start_at"] for s in stats if s.get("start_at")), default=None),
+              "first_request_at": min((s["first_request_at"] for s in stats if s.get("first_request_at")), default=None)}
+    return {**phases, "ready_at": ready, "done_at": done, "rows": table.num_rows, "errors": errors,
             "output_tokens": sum(n or 0 for n in table.column("n_out").to_pylist()),
             "input_tokens": sum(n or 0 for n in table.column("n_in").to_pylist()), "folder": str(folder)}
 
