@@ -140,6 +140,8 @@ def run_llmbatch(args, out: Path, pool: int | None = None) -> dict:
     ray.shutdown()
     # start-up phases: Ray up, the replica's engine start begun, its first request to the engine
     phases = {"ray_ready_at": ray_ready,
+              **{key: min((s[key] for s in stats if s.get(key)), default=None)
+                 for key in ("process_start_at", "begin_at")},  # the replica's process, its stages' start
               "replica_start_at": min((s["start_at"] for s in stats if s.get("start_at")), default=None),
               "first_request_at": min((s["first_request_at"] for s in stats if s.get("first_request_at")), default=None)}
     return {**phases, "ready_at": ready, "done_at": done, "rows": table.num_rows, "errors": errors,

@@ -66,6 +66,8 @@ class EngineStage(Stage):
         self.flush_seconds = flush_seconds
         self.replica = ""
         self.devices = ""
+        self.process_start_at = 0.0  # the replica's process started (the OS's record)
+        self.begin_at = 0.0  # the replica's stages unpickled, its start begins
         self.start_at = 0.0  # when this replica began to start its engine
         self.ready_at = 0.0
         self.first_request_at = 0.0  # when this replica handed its engine its first request
@@ -87,6 +89,8 @@ class EngineStage(Stage):
             prepare()
 
     def begin(self) -> None:
+        self.process_start_at = _process_start()
+        self.begin_at = time.time()
         begin = getattr(self.engine, "begin", None)
         if begin is not None:
             begin()
@@ -213,6 +217,7 @@ class EngineStage(Stage):
         row["batch_uuid"] = batch_uuid
         row[ERROR_COLUMN] = ""
         row[STATS] = {"replica": self.replica, "devices": self.devices, "cached_tokens": cached, "deduped": copied,
+                      "process_start_at": self.process_start_at, "begin_at": self.begin_at,
                       "start_at": self.start_at, "ready_at": self.ready_at, "first_request_at": self.first_request_at,
                       "restarts": self._generation, "finished_at": time.time(), "in_flight": self.in_flight}
         for key in ("sampling_params", "pooling_params", "tokenized_prompt"):
@@ -315,3 +320,13 @@ def _sortable(key: Any) -> tuple:
     if isinstance(key, tuple):
         return (0, key, "")
     return (1, (), key or "")
+
+
+def _process_start() -> float:
+    """This process's start time (epoch seconds), 0.0 where the OS does not say."""
+    try:
+        import psutil
+
+        return psutil.Process().create_time()
+    except Exception:  # noqa: BLE001 - a timing, never a reason to fail
+        return 0.0
