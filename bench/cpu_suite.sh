@@ -2,7 +2,7 @@
 # The CPU tables of bench/RESULTS.md on the method (issue 14): every workload but "unique"
 # (bench/cpu-results/method-v2/unique-500.json has its own call), three interleaved rounds each,
 # the order turning each round, engine settings pinned identical for every system.
-# usage: PYTHON=.venv/bin/python bash bench/cpu_suite.sh [OUTDIR]    (about 70 minutes on 2 cores)
+# usage: PYTHON=.venv/bin/python bash bench/cpu_suite.sh [OUTDIR]    (about 85 minutes on 2 cores)
 set -uo pipefail
 OUT=${1:-bench-out}
 mkdir -p "$OUT"
