@@ -48,17 +48,23 @@ def test_heartbeat_probe_says_ready_after_start():
     assert runner._probe() == {"state": "ready", "waiting_since": 0.0, "in_flight": 0, "done": 0}
 
 
-class SlowEngine(Stage):
-    """An engine whose start lasts until the CPU stage beside it has loaded."""
-    name = "engine"
-    starts_engine = True
+class Recording(Stage):
+    """A stage that notes its begin() in a shared list."""
+    label = ""
 
     def __init__(self, events):
         super().__init__()
         self.events = events
 
     def begin(self):
-        self.events["order"].append("engine begin")
+        self.events["order"].append(f"{self.label} begin")
+
+
+class SlowEngine(Recording):
+    """An engine whose start lasts until the CPU stage beside it has loaded."""
+    name = "engine"
+    label = "engine"
+    starts_engine = True
 
     async def start(self):
         self.events["engine started"].set()
@@ -66,15 +72,9 @@ class SlowEngine(Stage):
         self.events["order"].append("engine ready")
 
 
-class LoadingStage(Stage):
+class LoadingStage(Recording):
     name = "multimodal"
-
-    def __init__(self, events):
-        super().__init__()
-        self.events = events
-
-    def begin(self):
-        self.events["order"].append("cpu begin")
+    label = "cpu"
 
     async def start(self):
         assert self.events["engine started"].wait(10), "the engine's start did not begin beside this one"
