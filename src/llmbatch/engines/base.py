@@ -41,6 +41,10 @@ class Engine(Protocol):
         """Optional, in the driver when the processor runs (before the engine is shipped to its
         replicas): create what all replicas share, e.g. an endpoint's rate schedule."""
 
+    def begin(self) -> None:
+        """Optional, in the replica as it starts, before any stage's start: launch what
+        :meth:`start` will use without waiting for it (vLLM: its engine process's fork server)."""
+
     async def start(self) -> None:
         """Start the engine; raise :class:`~llmbatch.errors.EngineStartError` with the reason."""
 

@@ -74,7 +74,6 @@ class VLLMEngine:
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def start(self) -> None:
-
         self.begin()
         with self.log.capture():
             await self._start()
