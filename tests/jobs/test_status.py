@@ -24,6 +24,9 @@ def test_states_from_not_started_to_finished(tmp_path):
     meta = job.meta()
     meta.ingested = True
     job.write_meta(meta)
+    # killed after staging, before its first progress file (only the temporary one is left)
+    (job.root / ".progress.json.tmp").write_text("{}")
+    assert job_status(job.root)["state"].startswith("interrupted")
     job.commit(pa.table({ROW_ID: [0], ERROR_COLUMN: [""]}))
     assert job_status(job.root)["state"].startswith("interrupted")
     with job.locked():

@@ -59,10 +59,10 @@ def job_status(root: str | Path) -> dict[str, Any]:
         label = "answered, output not written (resume to write it)"
     elif progress.get("state") == "stopped":
         label = "stopped (resume to continue)"
-    elif counts["done"] or progress:
-        label = "interrupted (resume to continue)"
     else:
-        label = "not started"
+        # staged and left by a driver that is gone, even one killed before its first progress
+        # file was written: never "not started"
+        label = "interrupted (resume to continue)"
     info.update(
         state=label,
         rows_done=counts["done"],
