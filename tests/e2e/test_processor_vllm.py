@@ -131,8 +131,10 @@ def test_prompt_rows_skip_the_chat_template(mixed, smollm2):
 def no_post(ray_cluster, smollm2):
     import ray
 
+    # two batches per replica at a time: one replica cannot take all 8 batches before the
+    # other is ready (under the suite's load one replica took them all once)
     config = vLLMEngineProcessorConfig(model_source="smollm2-135m-instruct", engine_kwargs=ENGINE,
-                                       batch_size=4, concurrency=2)
+                                       batch_size=4, concurrency=2, max_concurrent_batches=2)
     processor = build_processor(
         config,
         preprocess=lambda row: dict(messages=[{"role": "user", "content": f"Say hello to {row['name']}."}],
