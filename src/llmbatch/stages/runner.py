@@ -117,11 +117,11 @@ class StageRunner:
         runs on the loop while the other stages load what they need on a thread of their own
         (a multimodal stage: vLLM's model config and the tokenizer), side by side instead of
         one after the other; a stage that cannot start fails the replica with its reason."""
+        starters = [s for s in self.stages if s.starts_engine]
         others = [s for s in self.stages if not s.starts_engine]
-        for stage in [s for s in self.stages if s.starts_engine] + others:
+        for stage in starters + others:
             stage.begin()
-        engines = [asyncio.run_coroutine_threadsafe(s.start(), self._loop.loop) for s in self.stages
-                   if s.starts_engine]
+        engines = [asyncio.run_coroutine_threadsafe(s.start(), self._loop.loop) for s in starters]
         if others:
             with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="llmbatch-start") as pool:
                 for stage in others:
