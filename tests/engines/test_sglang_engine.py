@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import re
 import subprocess
@@ -299,6 +300,40 @@ def test_a_killed_engine_process_is_restarted_and_no_row_is_lost(fake_engine):
     assert sorted(r["prompt"] for r in out) == sorted(f"p{i}" for i in range(12))
     assert len(fake_engine) == 2 and stage._generation == 1
     assert fake_engine[1].proc.wait(timeout=5) is not None
+
+
+@pytest.mark.parametrize("answer, expected", [([{"effective_max_running_requests_per_dp": 3000}], 3000),
+                                               ([{"effective_max_running_requests_per_dp": 1500}] * 2, 3000),
+                                               (None, sg.DEFAULT_CAPACITY)])
+def test_admission_follows_the_running_requests_the_scheduler_sized(fake_engine, monkeypatch, answer, expected):
+    """SGLang sizes max_running_requests in its scheduler (the main process's server_args says
+    None): llmbatch asks the started engine, and admits 1.1x that; an engine that does not
+    answer in time leaves the default, with a warning."""
+    monkeypatch.setattr(sg, "CAPACITY_QUERY_S", 0.3)
+
+    async def internal_state():
+        if answer is None:
+            await asyncio.Event().wait()  # never answers
+        return answer
+
+    def launch(self):
+        engine = FakeSGLang()
+        engine.server_args.max_running_requests = None
+        engine.tokenizer_manager.get_internal_state = internal_state
+        fake_engine.append(engine)
+        return engine
+
+    monkeypatch.setattr(SGLangEngine, "_launch", launch)
+
+    async def go():
+        stage = EngineStage(SGLangEngine("/models/x", {}))
+        await stage.start()
+        limit = stage._semaphore._value
+        await stage.close()
+        return stage.engine.capacity, limit
+
+    capacity, limit = asyncio.run(go())
+    assert capacity == expected and limit == math.ceil(expected * 1.1)
 
 
 def test_choice_regex_is_exact_in_xgrammar_sglangs_grammar_backend():

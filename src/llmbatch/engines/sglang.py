@@ -47,6 +47,8 @@ DEFAULT_CAPACITY = 1024
 #: How often the engine's processes are checked for life, and how long they get to exit.
 POLL_S = 0.5
 SHUTDOWN_TIMEOUT_S = 10.0
+#: Seconds the started engine gets to say how many requests it runs at once.
+CAPACITY_QUERY_S = 30.0
 #: SGLang arguments llmbatch sets itself (the model comes from ``model_source``).
 OWN_ARGS = ("model_path", "model")
 
@@ -152,6 +154,24 @@ class SGLangEngine:
             self._start()
         self._dead = asyncio.get_running_loop().create_future()
         self._monitor = asyncio.ensure_future(self._watch())
+        await self._read_capacity()
+
+    async def _read_capacity(self) -> None:
+        """How many requests the engine runs at once, as its scheduler sized it from the KV
+        cache (``max_running_requests`` unset: 2,048-4,096 on a large GPU). The main process's
+        ``server_args`` does not know it, and admitting only DEFAULT_CAPACITY would keep the
+        engine's batches smaller than plain SGLang's with every prompt queued."""
+        if self.engine_kwargs.get("max_running_requests"):
+            return  # the user's figure, already in server_args
+        try:
+            states = await asyncio.wait_for(self.engine.tokenizer_manager.get_internal_state(), CAPACITY_QUERY_S)
+            running = sum(int(s.get("effective_max_running_requests_per_dp") or 0) for s in states)
+        except Exception as exc:  # noqa: BLE001 - an older SGLang, or no answer: keep the default
+            logger.warning("SGLang did not say how many requests it runs at once (%s: %s); admitting %d",
+                           type(exc).__name__, exc, self.capacity)
+            return
+        if running > 0:
+            self.capacity = running
 
     def _start(self) -> None:
         before = set(_children(recursive=False))
