@@ -131,6 +131,7 @@ def run_llmbatch(args, out: Path, pool: int | None = None) -> dict:
                                "n_in": r["num_input_tokens"]},
         keep_private=(STATS,))
     folder = out.with_suffix(".d")
+    execute_at = time.time()  # the processor built; Ray Data plans, reads and starts the replica from here
     processor(ray.data.read_parquet(args.data)).write_parquet(str(folder))
     done = time.time()
     table = pq.read_table(folder)
@@ -139,7 +140,7 @@ def run_llmbatch(args, out: Path, pool: int | None = None) -> dict:
     errors = table.num_rows - sum(1 for c in table.column("caption").to_pylist() if c is not None)
     ray.shutdown()
     # start-up phases: Ray up, the replica's engine start begun, its first request to the engine
-    phases = {"ray_ready_at": ray_ready,
+    phases = {"ray_ready_at": ray_ready, "execute_at": execute_at,
               **{key: min((s[key] for s in stats if s.get(key)), default=None)
                  for key in ("process_start_at", "begin_at")},  # the replica's process, its stages' start
               "replica_start_at": min((s["start_at"] for s in stats if s.get("start_at")), default=None),
