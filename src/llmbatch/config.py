@@ -229,7 +229,16 @@ def _deprecated(old: str, new: str) -> None:
     warnings.warn(f"'{old}' is deprecated; use '{new}' instead.", DeprecationWarning, stacklevel=4)
 
 
-class OfflineProcessorConfig(ProcessorConfig):
+class _ChecksStructuredOutputs:
+    """For processor configs with the fields structured_output_errors and should_continue_on_error."""
+
+    def resolved_structured_output_errors(self) -> str:
+        if self.structured_output_errors is not None:
+            return self.structured_output_errors
+        return "error" if self.should_continue_on_error else "warn"
+
+
+class OfflineProcessorConfig(_ChecksStructuredOutputs, ProcessorConfig):
     """Settings of processors that run a model engine inside the job (vLLM, SGLang)."""
 
     model_source: str = Field(..., description="The model: a built-in offline alias (see `llmbatch models list`), a local directory, a Hugging Face hub id, an s3:// or gs:// folder, or a .gguf file.")
@@ -295,11 +304,6 @@ class OfflineProcessorConfig(ProcessorConfig):
     @classmethod
     def _check_model_source(cls, value: str) -> str:
         return check_model_source(value)
-
-    def resolved_structured_output_errors(self) -> str:
-        if self.structured_output_errors is not None:
-            return self.structured_output_errors
-        return "error" if self.should_continue_on_error else "warn"
 
     #: requests one replica keeps admitted when max_concurrent_batches is not set
     admitted_requests: ClassVar[int] = ADMITTED_REQUESTS
@@ -380,7 +384,7 @@ class HttpRequestStageConfig(StageConfig):
     resources."""
 
 
-class EndpointProcessorConfig(ProcessorConfig):
+class EndpointProcessorConfig(_ChecksStructuredOutputs, ProcessorConfig):
     """Settings of processors whose model runs elsewhere: an HTTP endpoint, a Ray Serve deployment.
 
     Rows carry their own request (Ray's contract) or ask as they do for the local engine
@@ -395,11 +399,6 @@ class EndpointProcessorConfig(ProcessorConfig):
     dedup_requests: bool = Field(True, json_schema_extra=NUMERICS, description="llmbatch: send identical deterministic requests (temperature 0 or a seed) once and copy the answer to every such row.")
     structured_output_fields: Literal["auto", "guided"] = Field("auto", description="llmbatch, rows with messages/prompt: how choices/regex/JSON-schema constraints are sent. 'auto': JSON schemas as OpenAI's response_format, choice/regex/grammar as vLLM's structured_outputs; 'guided': guided_json/guided_choice/guided_regex/guided_grammar (vLLM before 0.11).")
     structured_output_errors: Optional[Literal["error", "warn", "off"]] = Field(None, description="llmbatch: check answers of rows with structured_outputs against their constraint (as for the local engine). Default: 'error' with should_continue_on_error (jobs), else 'warn'.")
-
-    def resolved_structured_output_errors(self) -> str:
-        if self.structured_output_errors is not None:
-            return self.structured_output_errors
-        return "error" if self.should_continue_on_error else "warn"
 
     def resolved_max_concurrent_batches(self) -> int:
         if self.max_concurrent_batches is not None:

@@ -93,6 +93,17 @@ def test_the_engine_starts_while_the_cpu_stages_load():
     assert events["order"] == ["engine begin", "cpu begin", "cpu loaded", "engine ready"]
 
 
+def test_cpu_workers_without_an_engine_skip_begin():
+    """begin() imports what starts running side by side share (the multimodal stage: vLLM's
+    AsyncLLM too); CPU workers with no engine start their stages alone and skip it."""
+    import threading
+
+    events = {"order": [], "engine started": threading.Event(), "cpu loaded": threading.Event()}
+    events["engine started"].set()  # no engine beside: LoadingStage must not wait for one
+    StageRunner([LoadingStage(events), Answer()])
+    assert events["order"] == ["cpu loaded"]
+
+
 def test_a_cpu_stage_that_cannot_load_fails_the_replica_with_its_reason():
     import pytest
 

@@ -47,9 +47,10 @@ class Stage:
         """Load heavy state (tokenizers). Runs once, in the worker, before first use."""
 
     def begin(self) -> None:
-        """Runs first when a replica starts, on its own thread, before any stage's :meth:`start`
-        (engines' first): launch helper processes (an engine's fork server) and import what
-        the starts share, so that the starts can then run side by side."""
+        """Runs first when a replica with an engine starts, on its own thread, before any
+        stage's :meth:`start` (engines' first): launch helper processes (an engine's fork
+        server) and import what the starts share, so that the starts can then run side by
+        side. A replica without an engine (CPU workers) does not call it."""
 
     async def start(self) -> None:
         """Acquire state that must exist before the first batch (the engine overrides this to

@@ -119,7 +119,9 @@ class StageRunner:
         one after the other; a stage that cannot start fails the replica with its reason."""
         starters = [s for s in self.stages if s.starts_engine]
         others = [s for s in self.stages if not s.starts_engine]
-        for stage in starters + others:
+        # begin(): what the starts share, imported once before they run side by side; a replica
+        # without an engine (a pool of CPU workers) starts its stages one by one and skips it
+        for stage in starters + (others if starters else []):
             stage.begin()
         engines = [asyncio.run_coroutine_threadsafe(s.start(), self._loop.loop) for s in starters]
         if others:
