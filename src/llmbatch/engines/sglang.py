@@ -42,13 +42,12 @@ from llmbatch.rows import OPENAI, Row, to_python
 logger = logging.getLogger(__name__)
 
 PIP_EXTRA = "llmbatch[sglang]"
-#: Requests admitted to one engine when ``engine_kwargs.max_running_requests`` is not set.
+#: Requests admitted to one engine when neither the user nor the started engine says how many.
 DEFAULT_CAPACITY = 1024
 #: How often the engine's processes are checked for life, and how long they get to exit.
 POLL_S = 0.5
 SHUTDOWN_TIMEOUT_S = 10.0
-#: Seconds the started engine gets to say how many requests it runs at once.
-CAPACITY_QUERY_S = 30.0
+CAPACITY_QUERY_S = 30.0  # seconds the started engine gets to say how many it runs at once
 #: SGLang arguments llmbatch sets itself (the model comes from ``model_source``).
 OWN_ARGS = ("model_path", "model")
 
@@ -157,10 +156,8 @@ class SGLangEngine:
         await self._read_capacity()
 
     async def _read_capacity(self) -> None:
-        """How many requests the engine runs at once, as its scheduler sized it from the KV
-        cache (``max_running_requests`` unset: 2,048-4,096 on a large GPU). The main process's
-        ``server_args`` does not know it, and admitting only DEFAULT_CAPACITY would keep the
-        engine's batches smaller than plain SGLang's with every prompt queued."""
+        """The requests the engine runs at once, as its scheduler sized them from the KV cache
+        (2,048-4,096 on a large GPU): the main process's ``server_args`` says None."""
         if self.engine_kwargs.get("max_running_requests"):
             return  # the user's figure, already in server_args
         try:
