@@ -158,8 +158,8 @@ class SGLangEngine:
     async def _read_capacity(self) -> None:
         """The requests the engine runs at once, as its scheduler sized them from the KV cache
         (2,048-4,096 on a large GPU): the main process's ``server_args`` says None."""
-        if self.engine_kwargs.get("max_running_requests"):
-            return  # the user's figure, already in server_args
+        if getattr(self.engine.server_args, "max_running_requests", None):
+            return  # the user's figure: _start took it from server_args
         try:
             states = await asyncio.wait_for(self.engine.tokenizer_manager.get_internal_state(), CAPACITY_QUERY_S)
             running = sum(int(s.get("effective_max_running_requests_per_dp") or 0) for s in states)
