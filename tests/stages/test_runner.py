@@ -113,3 +113,40 @@ def test_a_cpu_stage_that_cannot_load_fails_the_replica_with_its_reason():
 
     with pytest.raises(ValueError, match="no model config"):
         StageRunner([Broken(), Answer()])
+
+
+def test_a_batchs_cpu_work_does_not_hold_back_the_engine_requests_of_another():
+    """The stages' synchronous work (decode, parse, template, tokenize) runs beside the loop,
+    not on it: while one batch is in its CPU stage, another batch's requests go to the engine
+    and come back (on the loop, vLLM's AsyncLLM takes requests and hands out outputs)."""
+    import asyncio
+    import threading
+    import time
+
+    marks = {}
+
+    class Cpu(Stage):
+        name = "preprocess"
+
+        def process_row(self, row):
+            if row["q"].startswith("slow"):
+                time.sleep(0.4)  # like PIL decoding an image: C work
+                marks["slow cpu done"] = time.monotonic()
+
+    class Engine(Stage):
+        name = "engine"
+
+        async def __call__(self, rows):
+            await asyncio.sleep(0.05)  # the engine (another process) answers
+            for row in rows:
+                row.update(generated_text=row["q"], num_input_tokens=1, num_generated_tokens=1)
+            marks.setdefault(f"{rows[0]['q']} answered", time.monotonic())
+            yield rows
+
+    runner = StageRunner([Cpu(), Engine()], sink=True)
+    fast = threading.Thread(target=run, args=(runner, pa.table({"q": ["fast"]})))
+    fast.start()
+    time.sleep(0.01)
+    run(runner, pa.table({"q": ["slow1", "slow2", "slow3"]}))
+    fast.join()
+    assert marks["fast answered"] < marks["slow cpu done"] - 0.5, marks

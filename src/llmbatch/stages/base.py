@@ -3,7 +3,10 @@
 A stage declares the keys it needs (:attr:`Stage.required_keys`), loads heavy state lazily in
 the worker (:meth:`Stage.setup`), and turns rows into rows. ``await``-ing is optional: most
 stages are synchronous per-row functions (:meth:`Stage.process_row`); the engine stage
-overrides :meth:`Stage.__call__` to stream rows out as they finish.
+overrides :meth:`Stage.__call__` to stream rows out as they finish. The synchronous work runs
+on one thread per process beside the runner's loop (:func:`cpu_thread`), never on the loop: the
+loop is the engine's home (vLLM's AsyncLLM takes requests and hands out outputs there), and a
+batch's decode, parse, template or tokenization on it would hold every request back.
 
 Errors are per row. A row whose processing raises becomes an error row (its
 ``__inference_error__`` says ``"<stage>: <ErrorType>: <message>"``) and skips every later
@@ -14,10 +17,27 @@ same text and the row id.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import threading
 from collections.abc import AsyncIterator
 from typing import ClassVar
 
 from llmbatch.rows import ERROR_COLUMN, Row, error_text, is_error
+
+_CPU_THREAD: concurrent.futures.ThreadPoolExecutor | None = None
+_CPU_LOCK = threading.Lock()
+
+
+def cpu_thread() -> concurrent.futures.ThreadPoolExecutor:
+    """The one thread on which this process's stages do their synchronous work, in the order
+    batches reach them (one thread: stages and users' functions see no concurrency they did
+    not see on the loop)."""
+    global _CPU_THREAD
+    with _CPU_LOCK:
+        if _CPU_THREAD is None:
+            _CPU_THREAD = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="llmbatch-cpu")
+        return _CPU_THREAD
 
 
 class Stage:
@@ -106,9 +126,13 @@ class Stage:
                 self.fail(row, exc)
 
     async def __call__(self, rows: list[Row]) -> AsyncIterator[list[Row]]:
-        """Process a batch; yield finished rows (error rows pass straight through)."""
+        """Process a batch on the CPU thread; yield finished rows (error rows pass straight
+        through)."""
+        await asyncio.get_running_loop().run_in_executor(cpu_thread(), self._process, rows)
+        yield rows
+
+    def _process(self, rows: list[Row]) -> None:
         self.ensure_setup()
         todo = [r for r in rows if not is_error(r) and self.check_keys(r)]
         if todo:
             self.process_batch(todo)
-        yield rows
