@@ -150,3 +150,34 @@ def test_a_batchs_cpu_work_does_not_hold_back_the_engine_requests_of_another():
     run(runner, pa.table({"q": ["slow1", "slow2", "slow3"]}))
     fast.join()
     assert marks["fast answered"] < marks["slow cpu done"] - 0.5, marks
+
+
+def test_a_batch_on_its_way_to_the_engine_passes_batches_waiting_for_their_first_stage():
+    """On the CPU thread later stages go first: with many batches in flight, the first one
+    reaches the engine after its own stages' work, not after every batch's first stage."""
+    import threading
+    import time
+
+    order = []
+
+    class Decode(Stage):
+        name = "preprocess"
+
+        def process_batch(self, rows):
+            time.sleep(0.05)
+            order.append(f"decode {rows[0]['q']}")
+
+    class Template(Stage):
+        name = "chat_template"
+
+        def process_batch(self, rows):
+            order.append(f"template {rows[0]['q']}")
+
+    runner = StageRunner([Decode(), Template(), Answer()], sink=True)
+    threads = [threading.Thread(target=run, args=(runner, pa.table({"q": [f"b{i}"]}))) for i in range(4)]
+    for t in threads:
+        t.start()
+        time.sleep(0.005)
+    for t in threads:
+        t.join()
+    assert order.index("template b0") < order.index("decode b3"), order

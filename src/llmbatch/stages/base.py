@@ -4,7 +4,7 @@ A stage declares the keys it needs (:attr:`Stage.required_keys`), loads heavy st
 the worker (:meth:`Stage.setup`), and turns rows into rows. ``await``-ing is optional: most
 stages are synchronous per-row functions (:meth:`Stage.process_row`); the engine stage
 overrides :meth:`Stage.__call__` to stream rows out as they finish. The synchronous work runs
-on one thread per process beside the runner's loop (:func:`cpu_thread`), never on the loop: the
+on one thread per process beside the runner's loop (:class:`CpuThread`), never on the loop: the
 loop is the engine's home (vLLM's AsyncLLM takes requests and hands out outputs there), and a
 batch's decode, parse, template or tokenization on it would hold every request back.
 
@@ -19,24 +19,52 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import itertools
+import queue
 import threading
 from collections.abc import AsyncIterator
 from typing import ClassVar
 
 from llmbatch.rows import ERROR_COLUMN, Row, error_text, is_error
 
-_CPU_THREAD: concurrent.futures.ThreadPoolExecutor | None = None
+class CpuThread:
+    """The one thread on which a process's stages do their synchronous work (one thread:
+    stages and users' functions see no concurrency they did not see on the loop). Later
+    stages go first: a batch on its way to the engine passes the batches still waiting for
+    their first stage, so the engine gets its first requests after one batch's work, not
+    after every batch in flight has been through the first stage."""
+
+    def __init__(self):
+        self._queue: queue.PriorityQueue = queue.PriorityQueue()
+        self._order = itertools.count()
+        threading.Thread(target=self._work, name="llmbatch-cpu", daemon=True).start()
+
+    def submit(self, position: int, fn, *args) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._queue.put((-position, next(self._order), fn, args, future))
+        return future
+
+    def _work(self) -> None:
+        while True:
+            _, _, fn, args, future = self._queue.get()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:  # noqa: BLE001 - handed to the awaiting stage
+                future.set_exception(exc)
+
+
+_CPU_THREAD: CpuThread | None = None
 _CPU_LOCK = threading.Lock()
 
 
-def cpu_thread() -> concurrent.futures.ThreadPoolExecutor:
-    """The one thread on which this process's stages do their synchronous work, in the order
-    batches reach them (one thread: stages and users' functions see no concurrency they did
-    not see on the loop)."""
+def cpu_thread() -> CpuThread:
+    """This process's :class:`CpuThread`, started on first use."""
     global _CPU_THREAD
     with _CPU_LOCK:
         if _CPU_THREAD is None:
-            _CPU_THREAD = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="llmbatch-cpu")
+            _CPU_THREAD = CpuThread()
         return _CPU_THREAD
 
 
@@ -53,6 +81,9 @@ class Stage:
     required_keys: ClassVar[tuple[str, ...]] = ()
     #: Alternative key sets: a row must have at least one key of each tuple.
     required_any: ClassVar[tuple[tuple[str, ...], ...]] = ()
+    #: The stage's place in its runner's chain (the runner sets it): later stages' work goes
+    #: first on the CPU thread.
+    position: int = 0
 
     def __init__(self):
         self._ready = False
@@ -128,7 +159,7 @@ class Stage:
     async def __call__(self, rows: list[Row]) -> AsyncIterator[list[Row]]:
         """Process a batch on the CPU thread; yield finished rows (error rows pass straight
         through)."""
-        await asyncio.get_running_loop().run_in_executor(cpu_thread(), self._process, rows)
+        await asyncio.wrap_future(cpu_thread().submit(self.position, self._process, rows))
         yield rows
 
     def _process(self, rows: list[Row]) -> None:

@@ -90,6 +90,8 @@ class StageRunner:
                  keep_private: tuple[str, ...] = (), run_id: str | None = None, role: str = "",
                  peers: int = 1, peer_wait_s: float = 300.0):
         self.stages = stages
+        for position, stage in enumerate(stages):
+            stage.position = position
         self.sink = sink
         self.encoded_output = encoded_output
         self._json_columns: set[str] = set()
