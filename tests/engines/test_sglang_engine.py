@@ -362,13 +362,3 @@ def test_vllm_engine_kwargs_map_to_sglangs_so_a_config_switches_by_class():
         SGLangEngineProcessorConfig(model_source="org/model-x", engine_kwargs={"max_model_len": 512,
                                                                                 "context_length": 1024})
 
-
-def test_sglang_replicas_admit_as_many_rows_as_its_scheduler_runs():
-    """SGLang's scheduler runs up to 4096 requests where the KV cache allows (vLLM: max_num_seqs,
-    1024): a replica keeps 4096 admitted by default (16 batches of 256), vLLM's 2048 (8)."""
-    from llmbatch import vLLMEngineProcessorConfig
-
-    assert SGLangEngineProcessorConfig(model_source="m", batch_size=256).resolved_max_concurrent_batches() == 16
-    assert vLLMEngineProcessorConfig(model_source="m", batch_size=256).resolved_max_concurrent_batches() == 8
-    assert SGLangEngineProcessorConfig(model_source="m", batch_size=256,
-                                       max_concurrent_batches=3).resolved_max_concurrent_batches() == 3
