@@ -41,3 +41,23 @@ def test_children_of_a_killed_process_are_reaped():
     while any(alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not any(alive(p) for p in pids)
+
+
+def test_the_reaper_starts_without_importing_the_llmbatch_package(tmp_path):
+    """The reaper runs as a file: `python -m llmbatch.reaper` imported the whole package (Ray
+    Data and more), which on a loaded machine outlasted the launch's bound and left the
+    replica unwatched. Here an llmbatch that cannot import comes first on the reaper's path."""
+    shim = tmp_path / "shim" / "llmbatch"
+    shim.mkdir(parents=True)
+    (shim / "__init__.py").write_text("raise ImportError('the reaper imported the llmbatch package')\n")
+    replica = REPLICA.replace("assert watch_children()",
+                              f"import os; os.environ['PYTHONPATH'] = {str(shim.parent)!r}; assert watch_children()")
+    proc = subprocess.Popen([sys.executable, "-c", replica], stdout=subprocess.PIPE, text=True)
+    pids = [int(p) for p in proc.stdout.readline().split()]
+    time.sleep(2.5)  # the reaper has seen them
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 15
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(alive(p) for p in pids)

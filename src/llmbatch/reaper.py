@@ -30,7 +30,10 @@ def watch_children() -> bool:
         return True
     read_fd, write_fd = os.pipe()
     try:
-        launcher = subprocess.Popen([sys.executable, "-m", "llmbatch.reaper", str(os.getpid()), str(read_fd)],
+        # run as a file, not `-m llmbatch.reaper`: that imports the llmbatch package (Ray Data
+        # and more: seconds, tens of seconds on a loaded machine, where the wait below ran out
+        # and the replica went unwatched); the reaper itself needs only the standard library
+        launcher = subprocess.Popen([sys.executable, os.path.abspath(__file__), str(os.getpid()), str(read_fd)],
                                     pass_fds=(read_fd,), start_new_session=True, stdin=subprocess.DEVNULL,
                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         launcher.wait(timeout=30)  # it forks the reaper and exits at once
@@ -108,6 +111,8 @@ def processes_naming(text: str) -> list:
 
 
 if __name__ == "__main__":
+    here = os.path.dirname(os.path.abspath(__file__))  # run as a file: its folder (llmbatch's) leaves the path
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
     if os.fork() > 0:  # the launcher exits; the reaper is nobody's child
         os._exit(0)
     _reap(int(sys.argv[1]), int(sys.argv[2]))
