@@ -30,9 +30,9 @@ def watch_children() -> bool:
         return True
     read_fd, write_fd = os.pipe()
     try:
-        # run as a file, not `-m llmbatch.reaper`: that imports the llmbatch package (Ray Data
-        # and more: seconds, tens of seconds on a loaded machine, where the wait below ran out
-        # and the replica went unwatched); the reaper itself needs only the standard library
+        # run as a file, not `-m llmbatch.reaper`: that imports the llmbatch package first (Ray
+        # Data and more: seconds, more on a loaded machine, where the wait below can run out
+        # and leave the replica unwatched); the reaper itself needs only the standard library
         launcher = subprocess.Popen([sys.executable, os.path.abspath(__file__), str(os.getpid()), str(read_fd)],
                                     pass_fds=(read_fd,), start_new_session=True, stdin=subprocess.DEVNULL,
                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

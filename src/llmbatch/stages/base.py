@@ -27,6 +27,7 @@ from typing import ClassVar
 
 from llmbatch.rows import ERROR_COLUMN, Row, error_text, is_error
 
+
 class CpuThread:
     """The one thread on which a process's stages do their synchronous work (one thread:
     stages and users' functions see no concurrency they did not see on the loop). Later
