@@ -30,8 +30,10 @@ def alive(pid: int) -> bool:
         return fh.read().split()[2] != "Z"
 
 
-def test_children_of_a_killed_process_are_reaped():
-    replica = subprocess.Popen([sys.executable, "-c", REPLICA], stdout=subprocess.PIPE, text=True)
+def kill_replica_and_wait_for_its_children(code: str) -> list[int]:
+    """Run ``code`` as a replica, SIGKILL it once the reaper has seen its children; returns
+    the children still alive 15 s later."""
+    replica = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     pids = [int(p) for p in replica.stdout.readline().split()]
     time.sleep(2.5)  # the reaper has seen them
     assert all(alive(p) for p in pids)
@@ -40,24 +42,20 @@ def test_children_of_a_killed_process_are_reaped():
     deadline = time.monotonic() + 15
     while any(alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not any(alive(p) for p in pids)
+    return [p for p in pids if alive(p)]
+
+
+def test_children_of_a_killed_process_are_reaped():
+    assert kill_replica_and_wait_for_its_children(REPLICA) == []
 
 
 def test_the_reaper_starts_without_importing_the_llmbatch_package(tmp_path):
     """The reaper runs as a file: `python -m llmbatch.reaper` imported the whole package (Ray
-    Data and more), which on a loaded machine outlasted the launch's bound and left the
+    Data and more), which on a loaded machine can outlast the launch's bound and leave the
     replica unwatched. Here an llmbatch that cannot import comes first on the reaper's path."""
     shim = tmp_path / "shim" / "llmbatch"
     shim.mkdir(parents=True)
     (shim / "__init__.py").write_text("raise ImportError('the reaper imported the llmbatch package')\n")
     replica = REPLICA.replace("assert watch_children()",
                               f"import os; os.environ['PYTHONPATH'] = {str(shim.parent)!r}; assert watch_children()")
-    proc = subprocess.Popen([sys.executable, "-c", replica], stdout=subprocess.PIPE, text=True)
-    pids = [int(p) for p in proc.stdout.readline().split()]
-    time.sleep(2.5)  # the reaper has seen them
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    deadline = time.monotonic() + 15
-    while any(alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not any(alive(p) for p in pids)
+    assert kill_replica_and_wait_for_its_children(replica) == []
