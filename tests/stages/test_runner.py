@@ -181,3 +181,22 @@ def test_a_batch_on_its_way_to_the_engine_passes_batches_waiting_for_their_first
     for t in threads:
         t.join()
     assert order.index("template b0") < order.index("decode b3"), order
+
+
+def test_a_process_with_the_cpu_thread_hands_the_gil_to_the_loop_within_a_fraction_of_a_millisecond(monkeypatch):
+    """Beside the CPU thread, the engine's loop waits for the GIL at each wake-up for up to the
+    switch interval (5 ms by default: a convoy, see stages/base.py and bench/loop_gil.py); a
+    process that starts the thread lowers it."""
+    import sys
+
+    from llmbatch.stages import base
+
+    monkeypatch.setattr(base, "_CPU_THREAD", None)  # this process's thread, started afresh
+    before = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.005)
+        runner = StageRunner([Answer()], sink=True)
+        assert run(runner, pa.table({"q": ["a"]}))[0].column("generated_text").to_pylist() == ["A"]
+        assert sys.getswitchinterval() <= base.SWITCH_INTERVAL_S
+    finally:
+        sys.setswitchinterval(before)
