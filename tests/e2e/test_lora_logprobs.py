@@ -125,10 +125,10 @@ def test_each_adapter_row_equals_plain_vllm_with_its_lora_request(answered):
             assert o["generated_tokens"] == ref[r["i"]]["tokens"], (r["model"], r["i"])
             assert close(o["logprobs"], ref[r["i"]]["logprobs"]), (r["model"], r["i"])
             by_adapter.setdefault(r["model"], []).append(tuple(o["generated_tokens"]))
-    answers = [by_adapter[a] for a in ADAPTERS] + [by_adapter[None]]
-    # the adapters change the answers: no two of them (or the base model) answer alike
-    assert len({tuple(a) for a in answers}) == len(answers)
-    # ... and their logprobs for the same prompt differ
+    # the adapters are applied: they change the greedy answers (two random adapters may still
+    # agree on every token of these few rows, as one fresh run saw)...
+    assert any(by_adapter[a] != by_adapter[None] for a in ADAPTERS)
+    # ... and each one's logprobs for the same prompt differ from the others' and the base's
     firsts = [out[100 + 10 * k]["logprobs"][0] for k in range(len(ADAPTERS))] + [out[300]["logprobs"][0]]
     assert all(not close([a], [b]) for n, a in enumerate(firsts) for b in firsts[n + 1:])
 

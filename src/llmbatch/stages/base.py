@@ -10,7 +10,11 @@ out outputs there), and a batch's decode, parse, template or tokenization on it 
 request back. Beside a busy thread, though, the loop waits for the GIL each time it wakes from
 I/O, up to Python's switch interval (5 ms by default), so a process with the CPU thread switches
 every :data:`SWITCH_INTERVAL_S` instead (``python bench/loop_gil.py``: a loop's socket round
-trips beside a thread doing Python work: 60-76/s at 5 ms, 1,041-1,059/s at 0.2 ms, alone 10,000/s).
+trips beside a thread doing Python work: 60-76/s at 5 ms, 1,041-1,059/s at 0.2 ms, alone 10,000/s)
+where it has :data:`SWITCH_MIN_CORES` cores or more. On fewer, the engine's own processes and
+the replica's threads share the cores, the OS preempts the busy thread anyway (3,959 round
+trips/s at 5 ms with both of 2 cores busy) and a forced switch often waits for a thread that is
+not on a core (its work fell by 31% at 0.2 ms there): Python's default stays.
 
 Errors are per row. A row whose processing raises becomes an error row (its
 ``__inference_error__`` says ``"<stage>: <ErrorType>: <message>"``) and skips every later
@@ -24,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import itertools
+import os
 import queue
 import sys
 import threading
@@ -33,8 +38,16 @@ from typing import ClassVar
 from llmbatch.rows import ERROR_COLUMN, Row, error_text, is_error
 
 
-#: The GIL switch interval of a process with a CPU thread (see the module docstring).
+#: The GIL switch interval of a process with a CPU thread, given the cores (module docstring).
 SWITCH_INTERVAL_S = 0.0002
+SWITCH_MIN_CORES = 4
+
+
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
 
 class CpuThread:
@@ -47,7 +60,8 @@ class CpuThread:
     def __init__(self):
         self._queue: queue.PriorityQueue = queue.PriorityQueue()
         self._order = itertools.count()
-        sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
+        if _usable_cores() >= SWITCH_MIN_CORES:
+            sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
         threading.Thread(target=self._work, name="llmbatch-cpu", daemon=True).start()
 
     def submit(self, position: int, fn, *args) -> concurrent.futures.Future:
