@@ -18,6 +18,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import psutil
 import pyarrow.parquet as pq
 import pytest
 from own_cluster import engines
@@ -278,12 +279,25 @@ def test_killing_the_engine_process_loses_no_row(ray_cluster, smollm2, tmp_path)
     job_dir = tmp_path / "o.parquet.job"
 
     wait_for(lambda: committed(job_dir) >= 8, 400, "the first committed rows", p, step=0.2)
-    # the process table is read while Ray's workers come and go: look again for a few seconds
-    # before deciding there is no engine process (seen once: none found while rows were committed)
-    wait_for(lambda: len(engines("MapWorker")) == 1, 20, "the one engine process", p, step=0.5)
-    cores = [core for _, core in engines("MapWorker")]
-    assert len(cores) == 1 and committed(job_dir) < ROWS_KILLED, "the job should still be running"
-    cores[0].send_signal(signal.SIGKILL)
+    # this job's engine: started after its driver (an earlier test's replica may still be going
+    # away with its engine: a fresh run once saw no single engine for 20 s); the process table is
+    # read while Ray's workers come and go, so look again for a while before deciding
+    born = psutil.Process(p.pid).create_time()
+
+    def cores() -> list:
+        found = []
+        for _, core in engines("MapWorker"):
+            try:
+                if core.create_time() >= born:
+                    found.append(core)
+            except psutil.Error:
+                continue  # gone since the table was read
+        return found
+
+    wait_for(lambda: len(cores()) == 1, 60, "this job's one engine process", p, step=0.5)
+    found = cores()
+    assert len(found) == 1 and committed(job_dir) < ROWS_KILLED, "the job should still be running"
+    found[0].send_signal(signal.SIGKILL)
     assert p.wait(timeout=900) == 0, (tmp_path / "driver.log").read_text()[-3000:]
     stats = json.loads((job_dir / "stats.json").read_text())
     table = pq.read_table(stats["output"])
