@@ -153,11 +153,13 @@ def main() -> None:
 
     from vllm import LLM
 
+    from llmbatch.engines.vllm_setup import cpu_dtype
     from llmbatch.models import resolve_model
 
     # the demo's engine settings on CPU, with a small KV cache (the engine starts faster)
-    llm = LLM(resolve_model(args.model), enforce_eager=True, max_model_len=512, seed=0,
-              kv_cache_memory_bytes=256 * 1024 * 1024)
+    model = resolve_model(args.model)
+    llm = LLM(model, enforce_eager=True, max_model_len=512, seed=0, kv_cache_memory_bytes=256 * 1024 * 1024,
+              dtype=cpu_dtype(model) or "auto")  # the dtype the demo's llmbatch engine runs in
     results = {}
     print("\n| variant | distinct companies right | rows right | what changes |\n| --- | ---: | ---: | --- |")
     for name in names:

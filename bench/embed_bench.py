@@ -49,6 +49,10 @@ def engine_kwargs(args) -> dict:
     if args.device == "cpu":
         # vLLM's CPU defaults would reserve 92% of the machine's memory; pinned small for both
         kw.update(enforce_eager=True, gpu_memory_utilization=0.3, kv_cache_memory_bytes=1 << 30)
+        from llmbatch.engines.vllm_setup import native_bf16
+
+        if not native_bf16():  # the float32 llmbatch picks on such a CPU, pinned for every system
+            kw["dtype"] = "float32"
     return kw
 
 

@@ -51,6 +51,10 @@ def engine_kwargs(args) -> dict:
     kw = {"max_model_len": args.max_model_len, "limit_mm_per_prompt": {"image": 1}}
     if args.device == "cpu":
         kw.update(enforce_eager=True, kv_cache_memory_bytes=args.kv_cache_mib << 20)
+        from llmbatch.engines.vllm_setup import native_bf16
+
+        if not native_bf16():  # the float32 llmbatch picks on such a CPU, pinned for every system
+            kw["dtype"] = "float32"
     else:
         kw["gpu_memory_utilization"] = args.gpu_memory_utilization
     if args.load_format:

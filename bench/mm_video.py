@@ -45,6 +45,10 @@ def engine_kwargs(args) -> dict:
           "allowed_local_media_path": args.media_root}
     if args.device == "cpu":
         kw.update(enforce_eager=True, kv_cache_memory_bytes=args.kv_cache_mib << 20)
+        from llmbatch.engines.vllm_setup import native_bf16
+
+        if not native_bf16():  # the float32 llmbatch picks on such a CPU, pinned for every system
+            kw["dtype"] = "float32"
     else:
         kw.update(gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=not args.cuda_graphs)
     if args.load_format:

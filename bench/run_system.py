@@ -39,6 +39,10 @@ def engine_kwargs(args) -> dict:
           "max_num_batched_tokens": args.max_num_batched_tokens}
     if args.device == "cpu":
         kw.update(enforce_eager=True, kv_cache_memory_bytes=args.kv_cache_gib * GiB)
+        from llmbatch.engines.vllm_setup import native_bf16
+
+        if not native_bf16():  # the float32 llmbatch picks on such a CPU, pinned for every system
+            kw["dtype"] = "float32"
     else:
         kw.update(gpu_memory_utilization=args.gpu_memory_utilization)
     if args.load_format:

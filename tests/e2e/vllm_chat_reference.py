@@ -24,7 +24,12 @@ if __name__ == "__main__":
             for part in msg["content"] if isinstance(msg["content"], list) else []:
                 if part.get("type") == "image_pil":
                     part["image_pil"] = Image.open(io.BytesIO(part["image_pil"])).convert("RGB")
-    llm = LLM(model=req["model"], **req["engine_kwargs"])
+    from llmbatch.engines.vllm_setup import cpu_dtype
+
+    # the same settings as llmbatch's engine: where they name no dtype, the one llmbatch picks on
+    # this CPU (float32 where it has no native bfloat16)
+    settings = {"dtype": cpu_dtype(req["model"]) or "auto", **req["engine_kwargs"]}
+    llm = LLM(model=req["model"], **settings)
     outs = llm.chat(req["conversations"], SamplingParams(**req["sampling_params"]), use_tqdm=False)
     json.dump([{"tokens": list(o.outputs[0].token_ids), "num_input_tokens": len(o.prompt_token_ids),
                 "prompt": o.prompt} for o in outs], open(sys.argv[2], "w"))

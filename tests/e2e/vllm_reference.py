@@ -16,7 +16,12 @@ if __name__ == "__main__":
     from vllm.lora.request import LoRARequest
 
     req = json.load(open(sys.argv[1]))
-    llm = LLM(model=req["model"], **req["engine_kwargs"])
+    from llmbatch.engines.vllm_setup import cpu_dtype
+
+    # the same settings as llmbatch's engine: where they name no dtype, the one llmbatch picks on
+    # this CPU (float32 where it has no native bfloat16)
+    settings = {"dtype": cpu_dtype(req["model"]) or "auto", **req["engine_kwargs"]}
+    llm = LLM(model=req["model"], **settings)
     loras: dict[str, LoRARequest] = {}
     prompts, params, lora_requests = [], [], []
     for row in req["rows"]:

@@ -25,10 +25,26 @@ def test_the_compile_cache_key_is_vllms_own(smollm2):
 
     settings = {"max_model_len": 1024, "max_num_seqs": 64, "max_num_batched_tokens": 4096,
                 "enable_prefix_caching": True, "enforce_eager": False, "kv_cache_memory_bytes": 1 << 30}
-    plain = vllm.EngineArgs(model=str(smollm2), **settings).create_engine_config(UsageContext.LLM_CLASS)
-    ours = vllm.AsyncEngineArgs(**engine_arguments(str(smollm2), settings, "generate")).create_engine_config(
-        UsageContext.LLM_CLASS)
+    ours_kwargs = engine_arguments(str(smollm2), settings, "generate")
+    same = {"dtype": ours_kwargs["dtype"]} if "dtype" in ours_kwargs else {}  # a CPU without native bf16
+    plain = vllm.EngineArgs(model=str(smollm2), **settings, **same).create_engine_config(UsageContext.LLM_CLASS)
+    ours = vllm.AsyncEngineArgs(**ours_kwargs).create_engine_config(UsageContext.LLM_CLASS)
     assert ours.compute_hash() == plain.compute_hash()
+
+
+def test_on_a_cpu_without_native_bfloat16_a_small_model_runs_in_float32(smollm2, monkeypatch):
+    from llmbatch.engines import vllm_setup
+
+    monkeypatch.setattr(vllm_setup, "on_cpu", lambda: True)
+    monkeypatch.setattr(vllm_setup, "native_bf16", lambda: False)
+    assert engine_arguments(str(smollm2), {}, "generate")["dtype"] == "float32"
+    assert engine_arguments(str(smollm2), {"dtype": "bfloat16"}, "generate")["dtype"] == "bfloat16"  # the user's
+    assert "dtype" not in engine_arguments("HuggingFaceTB/not-local", {}, "generate")  # size unknown: vLLM's
+    monkeypatch.setattr(vllm_setup, "FLOAT32_MEMORY_SHARE", 1e-9)  # weights that would not fit: vLLM's
+    assert "dtype" not in engine_arguments(str(smollm2), {}, "generate")
+    monkeypatch.setattr(vllm_setup, "FLOAT32_MEMORY_SHARE", 0.25)
+    monkeypatch.setattr(vllm_setup, "native_bf16", lambda: True)
+    assert "dtype" not in engine_arguments(str(smollm2), {}, "generate")
 
 
 def test_generating_with_an_embedding_model_fails_at_start_saying_what_to_set(minilm):
