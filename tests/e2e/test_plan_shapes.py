@@ -6,9 +6,10 @@ random_shuffle, union, then the processor, then materialize, take_all, iter_batc
 iter_rows, write_parquet, show, and Ray Data checkpoints) on the real engine, in a Ray of its
 own with that many CPUs. The two runs go side by side; each shape must give every row once.
 Every shape runs on 1 CPU, where the stages and the engine compete hardest for the cores; on
-2 CPUs the shapes whose work Ray spreads over both (several read blocks, a shuffle, a union,
-several files, parallel writes, the checkpoint filter's actor beside the engine, small blocks),
-which the others repeat in kind (each one starts an engine of its own: tens of seconds each).
+2 CPUs the shapes whose work Ray spreads over both (several read blocks with parallel writes, a
+shuffle, a union, the checkpoint filter's actor beside the engine), which the others repeat in
+kind (each one starts an engine of its own: a minute each on a 2-core machine, so the 2-CPU run
+keeps to those four; several files, small blocks and a repartition after a limit run on 1 CPU).
 
 One shape cannot run on 1 CPU whatever the processor does: Ray Data's checkpoint filter is an
 actor that holds a whole CPU, so its read task can never start (plain Ray Data, without
@@ -30,8 +31,7 @@ pytestmark = pytest.mark.e2e
 HERE = Path(__file__).parent
 STALL_S = 45
 CANNOT_RUN = {1: {"checkpoint_rerun"}}
-ON_TWO_CPUS = ("limit_repartition", "blocks_filter_map_write", "items_shuffle_take_all", "pandas_union_show",
-               "parquet_map_batches_iter", "checkpoint_rerun", "small_blocks_filter")
+ON_TWO_CPUS = ("blocks_filter_map_write", "items_shuffle_take_all", "pandas_union_show", "checkpoint_rerun")
 
 
 @pytest.fixture(scope="module")
