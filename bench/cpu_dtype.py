@@ -1,6 +1,6 @@
 """Plain vLLM on this CPU in bfloat16 (vLLM's ``auto``) and float32, one process per dtype.
 
-    python bench/cpu_dtype.py [--repeat 2] [--out bench/cpu-dtype.json]
+    python bench/cpu_dtype.py [--repeat 3] [--out bench/cpu-dtype.json]
 
 Why llmbatch picks float32 on an x86 CPU without native bfloat16 (``engine_kwargs`` naming no
 dtype, ``llmbatch.engines.vllm_setup.cpu_dtype``): such a CPU emulates bfloat16. Each run starts
@@ -40,7 +40,7 @@ def one(dtype: str) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--out", default="")
     ap.add_argument("--one", default="")
     args = ap.parse_args()
