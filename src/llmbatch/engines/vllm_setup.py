@@ -108,8 +108,9 @@ def cpu_dtype(model_path: str) -> str | None:
     ``float32`` on an x86 CPU without native bfloat16 (vLLM's ``auto`` picks bfloat16, which such
     a CPU emulates: SmolLM2-135M generated 5x slower in it on an AVX2 EPYC), where the float32
     weights take at most :data:`FLOAT32_MEMORY_SHARE` of the available memory; else None (vLLM's
-    choice). ``engine_kwargs.dtype`` overrides it."""
-    if native_bf16():
+    choice, and on a GPU). ``engine_kwargs.dtype`` overrides it. Plain-vLLM comparisons call it
+    too, so it answers for wherever vLLM runs, not only inside :func:`engine_arguments`."""
+    if not on_cpu() or native_bf16():
         return None
     size = _float32_weight_bytes(model_path)
     if size is None:
