@@ -62,7 +62,9 @@ def run_sglang(rows, args, writer) -> dict:
 
     from llmbatch.engines.sglang_params import sampling_params
 
+    imported = time.time()
     engine = sglang.Engine(model_path=args.model, log_level="error", **engine_kwargs(args, "sglang"))
+    ready = time.time()
     tok = AutoTokenizer.from_pretrained(args.model)
     prompts = [tok.apply_chat_template(r["messages"], tokenize=False, add_generation_prompt=True) for r in rows]
     params = [sampling_params(r["sampling_params"], CONTEXT)[0] for r in rows]
@@ -76,7 +78,9 @@ def run_sglang(rows, args, writer) -> dict:
     writer.close()
     end = time.time()
     engine.shutdown()
-    return {"rows": len(outs), "output_tokens": tokens, "first_request": first, "end": end}
+    return {"rows": len(outs), "output_tokens": tokens, "first_request": first, "end": end,
+            "timeline": {"engine_imported": imported, "engine_start": imported, "engine_ready": ready,
+                         "first_request": first}}
 
 
 def run_llmbatch(rows, args, writer, engine: str) -> dict:
@@ -87,18 +91,22 @@ def run_llmbatch(rows, args, writer, engine: str) -> dict:
 
     # BENCH_RAY_INIT (JSON): extra ray.init arguments, e.g. {"num_gpus": 1} to try this script on a CPU
     ray.init(include_dashboard=False, logging_level="WARNING", **json.loads(os.environ.get("BENCH_RAY_INIT", "{}")))
+    ray_ready = time.time()
     ray.data.DataContext.get_current().enable_progress_bars = False
+    # BENCH_LLMBATCH_CONFIG (JSON): processor config fields over the defaults, e.g. {"max_concurrent_batches": 16}
+    extra = json.loads(os.environ.get("BENCH_LLMBATCH_CONFIG", "{}"))
     if engine == "sglang":
         config = SGLangEngineProcessorConfig(model_source=args.model, engine_kwargs=engine_kwargs(args, "sglang"),
-                                             batch_size=args.batch_size, concurrency=1)
+                                             batch_size=args.batch_size, concurrency=1, **extra)
     else:
         config = vLLMEngineProcessorConfig(model_source=args.model, engine_kwargs=engine_kwargs(args, "vllm"),
-                                           batch_size=args.batch_size, concurrency=1)
+                                           batch_size=args.batch_size, concurrency=1, **extra)
     ds = build_processor(config, keep_private=(STATS,))(ray.data.from_items(rows))
     n = tokens = 0
     starts = []
     errors = []
     in_flight = 0  # the most requests the replica had inside its engine at once
+    timeline = {"ray_ready": ray_ready}  # the replica's start, from the rows' stats (earliest of each)
     for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
         cols = batch.to_pydict()
         none = [None] * batch.num_rows
@@ -109,6 +117,11 @@ def run_llmbatch(rows, args, writer, engine: str) -> dict:
                 errors.append(cols["__inference_error__"][i])
             stats = cols[STATS][i] or {}
             in_flight = max(in_flight, stats.get("in_flight") or 0)
+            for key, name in (("process_start_at", "replica_process"), ("begin_at", "replica_begin"),
+                              ("start_at", "engine_start"), ("ready_at", "engine_ready"),
+                              ("first_request_at", "first_request")):
+                if stats.get(key):
+                    timeline[name] = min(timeline.get(name, stats[key]), stats[key])
             if stats.get("finished_at") and cols["time_taken_llm"][i] is not None:
                 starts.append(stats["finished_at"] - cols["time_taken_llm"][i])
             tokens += cols["num_generated_tokens"][i] or 0
@@ -119,7 +132,8 @@ def run_llmbatch(rows, args, writer, engine: str) -> dict:
     end = time.time()
     ray.shutdown()
     return {"rows": n, "output_tokens": tokens, "first_request": min(starts) if starts else None, "end": end,
-            "error_rows": len(errors), "errors_sample": errors[:3], "max_in_flight": in_flight}
+            "error_rows": len(errors), "errors_sample": errors[:3], "max_in_flight": in_flight, "timeline": timeline,
+            "config": extra}
 
 
 def one(args) -> None:
@@ -169,7 +183,9 @@ def launch(system: str, args, run_dir: Path, env_path: str) -> dict:
             "steady_s": round(steady, 2) if steady else None, "rows_per_s": round(data["rows"] / wall, 2),
             "steady_rows_per_s": round(data["rows"] / steady, 2) if steady else None,
             "error_rows": data.get("error_rows", 0), "errors_sample": data.get("errors_sample", []),
-            "max_in_flight": data.get("max_in_flight")}
+            "max_in_flight": data.get("max_in_flight"), "config": data.get("config"),
+            # seconds from the launch to each step (plain SGLang: its import, engine start, generate call)
+            "timeline_s": {k: round(v - launched, 2) for k, v in (data.get("timeline") or {}).items()}}
 
 
 def summary(runs: list[dict], systems: list[str]) -> list[dict]:
