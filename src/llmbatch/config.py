@@ -30,6 +30,12 @@ Concurrency = Union[int, tuple[int, int]]
 TaskType = Literal["generate", "embed", "classify", "score"]
 #: Requests a replica keeps admitted by default (about 2 x vLLM's max_num_seqs on a large GPU).
 ADMITTED_REQUESTS = 2048
+#: SGLang's scheduler sizes max_running_requests itself (4096 for an 8B model on an H100) and
+#: fills its batches from a queue of waiting requests: a replica keeps twice that admitted, so
+#: the queue is there when a wave of answers finishes (the engine stage still holds the requests
+#: inside the engine to 1.1x its capacity). Measured on an H100 (bench/RESULTS.md): 0.80-0.83 of
+#: plain SGLang's engine-window rows/s at 2048 admitted, 0.91-0.95 at 4096, 0.98-1.06 at 8192.
+SGLANG_ADMITTED_REQUESTS = 8192
 
 
 #: How a job treats a change of a setting between runs (``resume`` metadata on config fields,
@@ -241,7 +247,7 @@ class OfflineProcessorConfig(_ChecksStructuredOutputs, ProcessorConfig):
     model_source: str = Field(..., description="The model: a built-in offline alias (see `llmbatch models list`), a local directory, a Hugging Face hub id, an s3:// or gs:// folder, or a .gguf file.")
     runtime_env: Optional[dict[str, Any]] = Field(None, json_schema_extra=PLACEMENT, description="Ray runtime environment for the engine replicas.")
     max_pending_requests: Optional[int] = Field(None, json_schema_extra=NUMERICS, description="Most requests inside one engine at a time. Default: 1.1 x the engine's max_num_seqs; 0 or less: no bound.")
-    max_concurrent_batches: Optional[int] = Field(None, ge=1, json_schema_extra=NUMERICS, description="Batches one replica works on at once, so that a batch's slow tail never starves the engine (rows of the next batches fill its free slots). Default: enough batches to keep about 2048 requests admitted per replica, 8 to 64 batches, beyond which max_pending_requests holds them back.")
+    max_concurrent_batches: Optional[int] = Field(None, ge=1, json_schema_extra=NUMERICS, description="Batches one replica works on at once, so that a batch's slow tail never starves the engine (rows of the next batches fill its free slots). Default: enough batches to keep about 2048 requests admitted per replica (8192 with SGLang, whose scheduler runs up to 4096 and fills its batches from a queue), 8 to 64 batches, beyond which max_pending_requests holds them back.")
     max_tasks_in_flight_per_actor: Optional[int] = Field(None, ge=1, json_schema_extra=PLACEMENT, description="Batches Ray Data queues per replica (default: 2 x max_concurrent_batches).")
     should_continue_on_error: bool = Field(False, json_schema_extra=PLACEMENT, description="Turn a failing row into an error row (with '__inference_error__' set) instead of failing the run. Error rows skip postprocess.")
     fuse_stages: bool = Field(True, json_schema_extra=PLACEMENT, description="llmbatch: run CPU stages that have no settings of their own (chat template, tokenize, detokenize, pre/postprocess) inside the engine replicas, saving a hop and a pool of workers. A stage config with batch_size, concurrency, num_cpus, memory or runtime_env always gets its own workers.")
@@ -302,10 +308,13 @@ class OfflineProcessorConfig(_ChecksStructuredOutputs, ProcessorConfig):
     def _check_model_source(cls, value: str) -> str:
         return check_model_source(value)
 
+    #: requests one replica keeps admitted when max_concurrent_batches is not set
+    admitted_requests: ClassVar[int] = ADMITTED_REQUESTS
+
     def resolved_max_concurrent_batches(self) -> int:
         if self.max_concurrent_batches is not None:
             return self.max_concurrent_batches
-        return max(8, min(64, -(-ADMITTED_REQUESTS // self.batch_size)))
+        return max(8, min(64, -(-self.admitted_requests // self.batch_size)))
 
 
 class vLLMEngineProcessorConfig(OfflineProcessorConfig):
@@ -355,6 +364,7 @@ class SGLangEngineProcessorConfig(OfflineProcessorConfig):
 
     engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="Passed to sglang.Engine (its ServerArgs: e.g. context_length, mem_fraction_static, max_running_requests, tp_size, dp_size). vLLM's names of the same settings are mapped (max_model_len, gpu_memory_utilization, max_num_seqs, tensor_parallel_size, pipeline_parallel_size, data_parallel_size, seed, enforce_eager, enable_prefix_caching), so a vLLM config runs by changing its class; a vLLM-only setting is an error. llmbatch sets model_path from model_source, and keeps SGLang's tokenizer on (skip_tokenizer_init=False: constrained decoding needs it) unless you set it.")
     task_type: Literal["generate"] = Field("generate", description="Only 'generate' is supported with SGLang.")
+    admitted_requests: ClassVar[int] = SGLANG_ADMITTED_REQUESTS
 
     @model_validator(mode="before")
     @classmethod

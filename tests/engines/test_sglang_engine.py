@@ -362,3 +362,16 @@ def test_vllm_engine_kwargs_map_to_sglangs_so_a_config_switches_by_class():
         SGLangEngineProcessorConfig(model_source="org/model-x", engine_kwargs={"max_model_len": 512,
                                                                                 "context_length": 1024})
 
+
+
+def test_sglang_replicas_admit_twice_the_requests_its_scheduler_runs():
+    """SGLang's scheduler runs up to 4096 requests where the KV cache allows and fills its
+    batches from a waiting queue: a replica keeps 8192 admitted by default (32 batches of 256;
+    the engine stage holds those inside the engine to 1.1x its capacity), vLLM's 2048 (8)."""
+    from llmbatch import vLLMEngineProcessorConfig
+
+    assert SGLangEngineProcessorConfig(model_source="m", batch_size=256).resolved_max_concurrent_batches() == 32
+    assert vLLMEngineProcessorConfig(model_source="m", batch_size=256).resolved_max_concurrent_batches() == 8
+    assert SGLangEngineProcessorConfig(model_source="m", batch_size=64).resolved_max_concurrent_batches() == 64
+    assert SGLangEngineProcessorConfig(model_source="m", batch_size=256,
+                                       max_concurrent_batches=3).resolved_max_concurrent_batches() == 3
