@@ -230,6 +230,11 @@ class Processor:
         run_id = uuid.uuid4().hex
         watch(ctx, run_id, lay.stall_timeout_s)
         ops = self.operators(cluster)
+        if _joins_datasets(ds):
+            # a union of a pandas-backed dataset (from_pandas, a pandas map_batches) and an Arrow
+            # one hands the batcher slices of both formats in one bundle, which Ray Data cannot
+            # combine (AssertionError in its block builder): every block becomes Arrow first
+            ds = ds.map_batches(_same_table, batch_format="pyarrow", batch_size=None, zero_copy_batch=True)
         rows_per_block = None
         for i, op in enumerate(ops):
             if op.batch_size != rows_per_block:
@@ -280,6 +285,23 @@ def engine_cpu_share(cluster_cpus: float, replicas: int, cpu_reserved: float) ->
     if cluster_cpus - cpu_reserved >= replicas + CPU_HEADROOM:
         return 1.0
     return 0.0
+
+
+def _joins_datasets(ds) -> bool:
+    """Whether the dataset's plan has a union, whose inputs' blocks may differ in format."""
+    from ray.data._internal.logical.operators.n_ary_operator import Union
+
+    todo = [ds._logical_plan.dag]
+    while todo:
+        op = todo.pop()
+        if isinstance(op, Union):
+            return True
+        todo.extend(op.input_dependencies)
+    return False
+
+
+def _same_table(table):
+    return table
 
 
 def _check_input_columns(dataset) -> None:
