@@ -305,6 +305,12 @@ def diagnose(executor, stalled_s: float, timeout_s: float, beats: list[dict[str,
     for f in holding:
         who = f"{f['actors']} worker(s)" if f["actors"] else f"{f['active']} task(s)"
         lines.append(f"holding: {f['name']} holds {_fmt(f['holds'])} ({who}).")
+    for op in executor._topology:
+        if "CheckpointFilter" in op.name and not op.has_completed():
+            cpus = (getattr(op, "_ray_remote_args", None) or {}).get("num_cpus", 1)
+            lines.append(f"checkpoints: Ray Data's CheckpointFilter is an actor pool of {cpus:g} CPU per actor for "
+                         f"the whole run, and the read tasks in front of it need a CPU of their own "
+                         f"({total.get('CPU', 0):g} CPU in the cluster).")
     stale = [b for b in beats if not _busy(b)]
     if stale:
         lines.append(f"workers: {len(beats)} llmbatch worker(s) report, none busy.")
