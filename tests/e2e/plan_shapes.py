@@ -60,11 +60,6 @@ def _read_written(path: str) -> list[int]:
     return [int(i) for i in pq.read_table(path, columns=["id"]).column("id").to_pylist()]
 
 
-def shape_limit_repartition(rd, p, proc, out):
-    ds = rd.read_csv(p["csv"]).limit(18).repartition(num_blocks=4)
-    return _ids(proc(ds).materialize().take_all()), list(range(18))
-
-
 def shape_blocks_filter_map_write(rd, p, proc, out):
     ds = rd.read_csv(p["csv"], override_num_blocks=8).filter(lambda r: r["keep"]).map(lambda r: {**r, "name": r["name"].upper()})
     proc(ds).write_parquet(out)
