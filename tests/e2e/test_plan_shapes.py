@@ -35,16 +35,21 @@ CANNOT_RUN = {1: {"checkpoint_rerun"}}
 ON_TWO_CPUS = ("blocks_filter_map_write", "items_shuffle_take_all", "pandas_union_show", "checkpoint_rerun")
 
 
-def shapes_on(cpus: int) -> list[str]:
-    """The shapes each run takes: the spreading ones on 2 CPUs, the rest and the checkpoint on 1."""
+def _shapes() -> dict:
+    """plan_shapes.SHAPES (the runner script beside this file)."""
     sys.path.insert(0, str(HERE))
     try:
         import plan_shapes
     finally:
         sys.path.remove(str(HERE))
+    return plan_shapes.SHAPES
+
+
+def shapes_on(cpus: int) -> list[str]:
+    """The shapes each run takes: the spreading ones on 2 CPUs, the rest and the checkpoint on 1."""
     if cpus == 2:
         return list(ON_TWO_CPUS)
-    return [name for name in plan_shapes.SHAPES if name not in ON_TWO_CPUS or name in CANNOT_RUN[1]]
+    return [name for name in _shapes() if name not in ON_TWO_CPUS or name in CANNOT_RUN[1]]
 
 
 @pytest.fixture(scope="module")
@@ -72,13 +77,9 @@ def results(smollm2, tmp_path_factory):
 
 
 def test_there_are_at_least_ten_shapes():
-    sys.path.insert(0, str(HERE))
-    try:
-        import plan_shapes
-    finally:
-        sys.path.remove(str(HERE))
-    assert len(plan_shapes.SHAPES) >= 10
-    assert set(ON_TWO_CPUS) <= set(plan_shapes.SHAPES)
+    shapes = _shapes()
+    assert len(shapes) >= 10
+    assert set(ON_TWO_CPUS) <= set(shapes)
 
 
 @pytest.mark.parametrize("cpus", [2, 1])

@@ -363,7 +363,6 @@ def test_vllm_engine_kwargs_map_to_sglangs_so_a_config_switches_by_class():
                                                                                 "context_length": 1024})
 
 
-
 def test_sglang_replicas_admit_twice_the_requests_its_scheduler_runs():
     """SGLang's scheduler runs up to 4096 requests where the KV cache allows and fills its
     batches from a waiting queue: a replica keeps 8192 admitted by default (32 batches of 256;
