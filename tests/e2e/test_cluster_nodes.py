@@ -157,7 +157,7 @@ def test_a_killed_driver_resumes_from_another_process_on_the_same_cluster(cluste
     before = committed(job_dir)
     assert 40 <= before < ROWS, before
     p = cli("resume", str(job_dir), "--quiet", log=log, address=c.address)
-    assert p.wait(timeout=240) == 0, log.read_text()[-4000:]
+    assert p.wait(timeout=600) == 0, log.read_text()[-4000:]
     check_every_id_once(job_dir)
     runs = JobDir(job_dir).meta().runs  # the killed run recorded nothing; the resume finished
     assert [(r["mode"], r["state"]) for r in runs] == [("resume", "finished")]
@@ -175,7 +175,7 @@ def test_a_worker_node_removed_mid_run_loses_and_duplicates_nothing(cluster, ser
     c.remove(1)
     removed_at, removed_t = committed(job_dir), time.monotonic()
     assert removed_at < ROWS - 80, f"the node went too late to matter ({removed_at} rows committed)"
-    assert p.wait(timeout=240) == 0, log.read_text()[-4000:]
+    assert p.wait(timeout=600) == 0, log.read_text()[-4000:]
     print(f"node removed at {removed_at} rows committed; the job ended {time.monotonic() - removed_t:.1f} s later")
     check_every_id_once(job_dir)
     # the lost node had rows in flight: they were asked again, and are still in the output once

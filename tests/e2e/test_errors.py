@@ -278,7 +278,7 @@ def test_killing_the_engine_process_loses_no_row(ray_cluster, smollm2, tmp_path)
                          stdout=log, stderr=subprocess.STDOUT, env=os.environ, start_new_session=True)
     job_dir = tmp_path / "o.parquet.job"
 
-    wait_for(lambda: committed(job_dir) >= 8, 400, "the first committed rows", p, step=0.2)
+    wait_for(lambda: committed(job_dir) >= 8, 900, "the first committed rows", p, step=0.2)
     # this job's engine: started after its driver (an earlier test's replica may still be going
     # away with its engine: a fresh run once saw no single engine for 20 s); the process table is
     # read while Ray's workers come and go, so look again for a while before deciding

@@ -63,7 +63,7 @@ class VllmServer:
         self.ready = False
 
     def url(self) -> str:
-        deadline = time.monotonic() + 400
+        deadline = time.monotonic() + 900
         while not self.ready:
             if self.proc.poll() is not None:
                 raise AssertionError("vllm serve exited:\n" + self.log.read_text()[-3000:])

@@ -41,7 +41,7 @@ class Server:
         self.proc = subprocess.Popen([sys.executable, "-m", "llmbatch", "serve", "--model", "smollm2-135m-instruct",
                                       "--data-dir", str(self.data_dir), "--port", str(self.port), *SETTINGS],
                                      stdout=log, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=1):
@@ -86,7 +86,7 @@ def create(client, path: Path):
     return client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
 
 
-def wait(client, batch_id: str, until, timeout: float = 300):
+def wait(client, batch_id: str, until, timeout: float = 900):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         batch = client.batches.retrieve(batch_id)

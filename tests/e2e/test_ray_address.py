@@ -87,7 +87,7 @@ def test_a_job_from_another_process_runs_on_the_cluster_at_ray_address(head, ser
     with open(log, "wb") as fh:
         p = subprocess.Popen([sys.executable, "-m", "llmbatch", "run", str(job), "--quiet"], stdout=fh,
                              stderr=subprocess.STDOUT, env=env)
-        assert p.wait(timeout=300) == 0, log.read_text()[-4000:]
+        assert p.wait(timeout=900) == 0, log.read_text()[-4000:]
     # the cluster at RAY_ADDRESS saw this process as a driver (Ray names a driver's log after
     # its job id and process id), and it started no Ray of its own (a session dir ends with
     # the id of the process that started it)

@@ -78,7 +78,7 @@ def test_a_killed_checkpointed_run_reruns_without_losing_or_repeating_an_id(serv
     log = tmp_path / "run.log"
 
     first = subprocess.Popen(cmd, stdout=open(log, "ab"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    wait_for(lambda: len(list(out.glob("*.parquet"))) >= 2, 180, "two output files", first)
+    wait_for(lambda: len(list(out.glob("*.parquet"))) >= 2, 600, "two output files", first)
     os.killpg(first.pid, signal.SIGKILL)  # the driver and the Ray it started
     first.wait(timeout=30)
     before = written(out)
@@ -86,7 +86,7 @@ def test_a_killed_checkpointed_run_reruns_without_losing_or_repeating_an_id(serv
 
     base = server.removesuffix("/v1/chat/completions")
     asked_first = attempts(base)
-    second = subprocess.run(cmd, stdout=open(log, "ab"), stderr=subprocess.STDOUT, env=env, timeout=300)
+    second = subprocess.run(cmd, stdout=open(log, "ab"), stderr=subprocess.STDOUT, env=env, timeout=900)
     assert second.returncode == 0, log.read_text()[-4000:]
     rows = written(out)
     assert sorted(rows) == list(range(ROWS)), f"{ROWS - len(rows)} ids lost"

@@ -127,10 +127,10 @@ def test_a_job_with_literal_secrets_resumes_from_its_job_file(secret_job):
     tmp, _, _, env = secret_job
     job_dir = tmp / "out" / "answers.parquet.job"
     alone = subprocess.run([sys.executable, "-m", "llmbatch", "resume", str(job_dir)], capture_output=True,
-                           text=True, env=env, timeout=300)
+                           text=True, env=env, timeout=900)
     assert alone.returncode == 2 and "llmbatch run JOB.yaml" in alone.stderr, alone.stderr[-2000:]
     again = subprocess.run([sys.executable, "-m", "llmbatch", "run", str(tmp / "job.yaml"), "--quiet"],
-                           capture_output=True, text=True, env=env, timeout=300)
+                           capture_output=True, text=True, env=env, timeout=900)
     assert again.returncode == 0, again.stderr[-2000:]  # every row done: it only rewrites the output
 
 

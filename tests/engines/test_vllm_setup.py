@@ -83,6 +83,6 @@ def test_in_a_ray_actor_the_engine_process_comes_from_the_warm_fork_server(ray_c
                 await engine.close()
             return parents, answer["generated_text"]
 
-    parents, text = ray.get(Replica.remote().start_and_ask.remote(smollm2), timeout=300)
+    parents, text = ray.get(Replica.remote().start_and_ask.remote(smollm2), timeout=900)
     assert parents and all("multiprocessing.forkserver" in p for p in parents), parents
     assert text.strip()
