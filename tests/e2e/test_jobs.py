@@ -26,6 +26,9 @@ pytestmark = pytest.mark.e2e
 #: how long a step may wait for the driver it started: an engine start takes a minute when the
 #: machine is quiet and several when the suite's other file loads both cores; only a hang gets here
 BOUND_S = 900
+#: how often a step looks at the job's committed rows: each look reads every part file, and at
+#: 20 looks a second the test process took a sixth of a core from the engine it waits on
+POLL_S = 0.5
 
 
 HOOKS = """
@@ -110,7 +113,7 @@ def test_sigkill_at_three_points_and_sigint_then_resume_exactly_once(ray_cluster
 
     # 2. SIGKILL mid-way; `status` from another process sees the driver's counts while it runs
     p = cli("resume", str(job_dir), "--quiet", log=log)
-    wait_for(lambda: committed(job_dir) >= 30, BOUND_S, "some committed rows", p)
+    wait_for(lambda: committed(job_dir) >= 30, BOUND_S, "some committed rows", p, step=POLL_S)
     live = status(job_dir)
     assert live["state"] == "running" and live["rows_total"] == rows
     assert 30 <= live["rows_done"] <= rows and live["rows_done"] == live["rows_ok"] + live["rows_error"]
@@ -120,7 +123,7 @@ def test_sigkill_at_three_points_and_sigint_then_resume_exactly_once(ray_cluster
 
     # 3. Ctrl-C stops cleanly within seconds and keeps what was answered
     p = cli("resume", str(job_dir), "--quiet", log=log)
-    wait_for(lambda: committed(job_dir) >= mid + 16, BOUND_S, "progress after resume", p)
+    wait_for(lambda: committed(job_dir) >= mid + 16, BOUND_S, "progress after resume", p, step=POLL_S)
     p.send_signal(signal.SIGINT)
     t0 = time.monotonic()
     assert p.wait(timeout=60) == 130
@@ -132,7 +135,7 @@ def test_sigkill_at_three_points_and_sigint_then_resume_exactly_once(ray_cluster
     # 4. SIGKILL while the last part is being made (only the long last rows are left)
     p = cli("resume", str(job_dir), "--quiet", log=log)
     near_end = rows - tail - 8  # every short row (the long ones take several times longer)
-    wait_for(lambda: committed(job_dir) >= near_end, BOUND_S, "all but the last part", p, step=0.02)
+    wait_for(lambda: committed(job_dir) >= near_end, BOUND_S, "all but the last part", p, step=0.2)
     assert p.poll() is None, "the job finished before it could be killed in its last part"
     kill9(p)
     assert near_end <= committed(job_dir) < rows
@@ -154,7 +157,7 @@ def test_engine_replica_killed_mid_run_loses_no_row(ray_cluster, smollm2, tmp_pa
     job_file, job_dir = write_job(tmp_path, rows, long_tail=10)
     log = tmp_path / "driver.log"
     p = cli("run", str(job_file), "--quiet", log=log)
-    wait_for(lambda: committed(job_dir) >= 16, BOUND_S, "first parts", p)
+    wait_for(lambda: committed(job_dir) >= 16, BOUND_S, "first parts", p, step=POLL_S)
     actors = engine_replicas("StageRunner")
     assert len(actors) == 1, actors
     assert committed(job_dir) < rows, "the job should still be running when its replica is killed"
