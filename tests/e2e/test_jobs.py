@@ -162,7 +162,7 @@ def test_engine_replica_killed_mid_run_loses_no_row(ray_cluster, smollm2, tmp_pa
     assert len(actors) == 1, actors
     assert committed(job_dir) < rows, "the job should still be running when its replica is killed"
     actors[0].send_signal(signal.SIGKILL)
-    assert p.wait(timeout=900) == 0, log.read_text()[-3000:]
+    assert p.wait(timeout=BOUND_S) == 0, log.read_text()[-3000:]
     ok, errors = output_ids(job_dir)
     assert sorted(ok + errors) == list(range(1, rows + 1))
     assert errors == []
