@@ -61,28 +61,51 @@ def test_generating_with_an_embedding_model_fails_at_start_saying_what_to_set(mi
 
 def test_in_a_ray_actor_the_engine_process_comes_from_the_warm_fork_server(ray_cluster, smollm2):
     """A replica's vLLM engine process is forked from llmbatch's fork server (which imported
-    vLLM beside the replica), not spawned afresh, and answers as usual."""
+    vLLM beside the replica), not spawned afresh, and answers as usual. It starts before the
+    front-end is built: ``AsyncLLM`` loads the tokenizer and the processor first and only then
+    starts its engine; here, while the front-end builds, the engine process is already there."""
     import ray
 
     @ray.remote(num_cpus=0)
     class Replica:
         async def start_and_ask(self, model: str):
+            import time
+
             import psutil
+            from vllm.v1.engine import async_llm
 
             from llmbatch.engines.vllm import VLLMEngine
 
+            def engine_processes():
+                return [p for p in psutil.Process().children(recursive=True) if p.name() == "VLLM::EngineCore"]
+
+            seen = {}
+            own = async_llm.renderer_from_config
+
+            def renderer_from_config(*args, **kwargs):  # the front-end's first step: is the engine there?
+                # (it comes once the fork server has imported vLLM: on 2 busy cores, up to a minute)
+                deadline = time.monotonic() + 180
+                while not engine_processes() and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                seen["engine_before_front_end"] = bool(engine_processes())
+                return own(*args, **kwargs)
+
+            async_llm.renderer_from_config = renderer_from_config
             engine = VLLMEngine(model_source=model, engine_kwargs={"max_model_len": 256,
                                                                     "kv_cache_memory_bytes": 256 << 20})
-            await engine.start()
             try:
-                core = [p for p in psutil.Process().children(recursive=True) if p.name() == "VLLM::EngineCore"]
-                parents = [" ".join(p.parent().cmdline()) for p in core]
+                await engine.start()
+            finally:
+                async_llm.renderer_from_config = own
+            try:
+                parents = [" ".join(p.parent().cmdline()) for p in engine_processes()]
                 row = {"prompt": "The capital of France is", "sampling_params": {"max_tokens": 4, "temperature": 0}}
                 answer = await engine.run(engine.build_request(row))
             finally:
                 await engine.close()
-            return parents, answer["generated_text"]
+            return parents, answer["generated_text"], seen
 
-    parents, text = ray.get(Replica.remote().start_and_ask.remote(smollm2), timeout=900)
+    parents, text, seen = ray.get(Replica.remote().start_and_ask.remote(smollm2), timeout=900)
     assert parents and all("multiprocessing.forkserver" in p for p in parents), parents
     assert text.strip()
+    assert seen == {"engine_before_front_end": True}

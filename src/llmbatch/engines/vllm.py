@@ -95,7 +95,6 @@ class VLLMEngine:
     async def _start(self) -> None:
         vllm = self._vllm = _import_vllm()
         from vllm.usage.usage_lib import UsageContext
-        from vllm.v1.engine.async_llm import AsyncLLM
 
         self.model_path = resolve_model(self.model_source)
         kwargs = engine_arguments(self.model_path, self.engine_kwargs, self.task_type, self.replicas_per_node,
@@ -112,11 +111,17 @@ class VLLMEngine:
             hint = _suggest(bad.group(1), known) if bad else ""
             raise EngineStartError(f"engine_kwargs: {exc}{hint}") from exc
         if self._fork_server:
-            vllm_procs.use_server()
+            self._fork_server = vllm_procs.use_server()
         try:
             # Offline-batch defaults (vLLM's LLM class: e.g. max_num_seqs 1024 and 16k batched
             # tokens on an H100), not the serving defaults AsyncLLM would pick (128 and 2k).
-            self.llm = AsyncLLM.from_engine_args(args, usage_context=UsageContext.LLM_CLASS, stat_loggers=stat_loggers)
+            if self._fork_server:  # the engine process starts first, the front-end beside it
+                self.llm = vllm_procs.async_llm_engine_first(args, UsageContext.LLM_CLASS, stat_loggers)
+            else:
+                from vllm.v1.engine.async_llm import AsyncLLM
+
+                self.llm = AsyncLLM.from_engine_args(args, usage_context=UsageContext.LLM_CLASS,
+                                                     stat_loggers=stat_loggers)
             config = self.llm.vllm_config
         except Exception as exc:  # noqa: BLE001 - the engine's own reason is the message
             raise EngineStartError(

@@ -16,12 +16,19 @@ around that moment), not the server's.
 Only for a single-process engine (no tensor, pipeline or data parallelism: those start their
 workers through Ray or with settings this does not reproduce); anything unexpected falls back
 to vLLM's own spawn.
+
+With the server, the engine process also starts before the front-end is built
+(:func:`async_llm_engine_first`): ``AsyncLLM`` loads its tokenizer and the model's processor
+and builds its input processor first and only then starts its engine process, 4-11 s on an
+H100 with Qwen2.5-VL (the replica's logs: the model's config resolved, then the engine process
+initialising) in which the engine could already be loading its model.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 from multiprocessing import context as mp_context
 from typing import Any
 
@@ -124,3 +131,61 @@ def use_server() -> bool:
         return False
     engine_utils.get_mp_context = lambda: _CONTEXT
     return True
+
+
+def async_llm_engine_first(engine_args: Any, usage_context: Any, stat_loggers: list | None) -> Any:
+    """``AsyncLLM.from_engine_args(engine_args, usage_context=..., stat_loggers=...)``, with the
+    engine process started first: its client (the engine's start and vLLM's handshake with it)
+    is built on a thread while ``AsyncLLM`` builds its front-end, and ``AsyncLLM`` is handed that
+    client where it would start one. Only with the fork server (:func:`use_server`): a forked
+    engine process must not come from this process while another of its threads runs."""
+    # only what the engine's start needs: the front-end's own modules are imported beside it
+    from vllm.transformers_utils.config import maybe_register_config_serialize_by_value
+    from vllm.v1.engine.core_client import EngineCoreClient
+    from vllm.v1.executor import Executor
+    from vllm.v1.metrics.loggers import load_stat_logger_plugin_factories
+
+    vllm_config = engine_args.create_engine_config(usage_context)
+    executor_class = Executor.get_class(vllm_config)
+    log_stats = not engine_args.disable_log_stats
+    client_log_stats = log_stats or bool(stat_loggers) or bool(load_stat_logger_plugin_factories())
+    maybe_register_config_serialize_by_value()  # as AsyncLLM does first: the config travels to the engine
+    launched: dict[str, Any] = {}
+
+    def launch() -> None:
+        try:
+            launched["client"] = EngineCoreClient.make_async_mp_client(
+                vllm_config=vllm_config, executor_class=executor_class, log_stats=client_log_stats)
+        except BaseException as exc:  # noqa: BLE001 - raised where AsyncLLM asks for the client
+            launched["error"] = exc
+
+    thread = threading.Thread(target=launch, name="llmbatch-engine-start", daemon=True)
+    thread.start()
+    own = EngineCoreClient.__dict__["make_async_mp_client"]
+
+    def started_client(*_args: Any, **kwargs: Any) -> Any:
+        thread.join()  # bounded by vLLM's own wait for its engine (VLLM_ENGINE_READY_TIMEOUT_S)
+        if "error" in launched:
+            raise launched.pop("error")
+        client = launched.pop("client")
+        renderer = kwargs.get("renderer")  # vLLM >= 0.32: its front-end multimodal warm-up
+        if renderer is not None and getattr(client, "_renderer", False) is None:
+            client._renderer = renderer
+            client._start_mm_warmup()
+        return client
+
+    EngineCoreClient.make_async_mp_client = staticmethod(started_client)
+    try:
+        from vllm.v1.engine import async_llm
+
+        return async_llm.AsyncLLM(vllm_config=vllm_config, executor_class=executor_class,
+                                  log_requests=engine_args.enable_log_requests, log_stats=log_stats,
+                                  usage_context=usage_context, stat_loggers=stat_loggers)
+    except BaseException:
+        thread.join()  # the front-end failed before it took the engine: stop the engine too
+        client = launched.pop("client", None)
+        if client is not None:
+            client.shutdown()
+        raise
+    finally:
+        EngineCoreClient.make_async_mp_client = own
