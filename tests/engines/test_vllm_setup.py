@@ -63,7 +63,8 @@ def test_in_a_ray_actor_the_engine_process_comes_from_the_warm_fork_server(ray_c
     """A replica's vLLM engine process is forked from llmbatch's fork server (which imported
     vLLM beside the replica), not spawned afresh, and answers as usual. It starts before the
     front-end is built: ``AsyncLLM`` loads the tokenizer and the processor first and only then
-    starts its engine; here, while the front-end builds, the engine process is already there."""
+    starts its engine; here, while the front-end builds, the engine process is already there.
+    A front-end that fails after the engine has started stops that engine too."""
     import ray
 
     @ray.remote(num_cpus=0)
@@ -75,6 +76,7 @@ def test_in_a_ray_actor_the_engine_process_comes_from_the_warm_fork_server(ray_c
             from vllm.v1.engine import async_llm
 
             from llmbatch.engines.vllm import VLLMEngine
+            from llmbatch.errors import EngineStartError
 
             def engine_processes():
                 return [p for p in psutil.Process().children(recursive=True) if p.name() == "VLLM::EngineCore"]
@@ -87,13 +89,22 @@ def test_in_a_ray_actor_the_engine_process_comes_from_the_warm_fork_server(ray_c
                 deadline = time.monotonic() + 180
                 while not engine_processes() and time.monotonic() < deadline:
                     time.sleep(0.1)
-                seen["engine_before_front_end"] = bool(engine_processes())
+                seen.setdefault("engine_before_front_end", []).append(bool(engine_processes()))
+                if len(seen["engine_before_front_end"]) == 1:
+                    raise OSError("the tokenizer could not be read")
                 return own(*args, **kwargs)
 
             async_llm.renderer_from_config = renderer_from_config
-            engine = VLLMEngine(model_source=model, engine_kwargs={"max_model_len": 256,
-                                                                    "kv_cache_memory_bytes": 256 << 20})
+            settings = {"max_model_len": 256, "kv_cache_memory_bytes": 256 << 20}
             try:
+                failed = VLLMEngine(model_source=model, engine_kwargs=settings)
+                try:
+                    await failed.start()
+                except EngineStartError as exc:
+                    seen["first_start"] = str(exc)
+                time.sleep(1)
+                seen["engines_left_after_it"] = len(engine_processes())
+                engine = VLLMEngine(model_source=model, engine_kwargs=settings)
                 await engine.start()
             finally:
                 async_llm.renderer_from_config = own
@@ -108,4 +119,6 @@ def test_in_a_ray_actor_the_engine_process_comes_from_the_warm_fork_server(ray_c
     parents, text, seen = ray.get(Replica.remote().start_and_ask.remote(smollm2), timeout=900)
     assert parents and all("multiprocessing.forkserver" in p for p in parents), parents
     assert text.strip()
-    assert seen == {"engine_before_front_end": True}
+    assert seen["engine_before_front_end"] == [True, True]
+    assert "the tokenizer could not be read" in seen["first_start"]
+    assert seen["engines_left_after_it"] == 0

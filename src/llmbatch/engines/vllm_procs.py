@@ -83,6 +83,9 @@ class _EnvForkServerContext(mp_context.ForkServerContext):
 
 _CONTEXT = _EnvForkServerContext()
 
+#: one engine-first start at a time in a process (:func:`async_llm_engine_first`)
+_ENGINE_FIRST = threading.Lock()
+
 
 def wanted(engine_kwargs: dict[str, Any]) -> bool:
     """Whether this replica's engine process should come from the fork server: in a Ray actor,
@@ -159,10 +162,6 @@ def async_llm_engine_first(engine_args: Any, usage_context: Any, stat_loggers: l
         except BaseException as exc:  # noqa: BLE001 - raised where AsyncLLM asks for the client
             launched["error"] = exc
 
-    thread = threading.Thread(target=launch, name="llmbatch-engine-start", daemon=True)
-    thread.start()
-    own = EngineCoreClient.__dict__["make_async_mp_client"]
-
     def started_client(*_args: Any, **kwargs: Any) -> Any:
         thread.join()  # bounded by vLLM's own wait for its engine (VLLM_ENGINE_READY_TIMEOUT_S)
         if "error" in launched:
@@ -174,18 +173,22 @@ def async_llm_engine_first(engine_args: Any, usage_context: Any, stat_loggers: l
             client._start_mm_warmup()
         return client
 
-    EngineCoreClient.make_async_mp_client = staticmethod(started_client)
-    try:
-        from vllm.v1.engine import async_llm
+    thread = threading.Thread(target=launch, name="llmbatch-engine-start", daemon=True)
+    with _ENGINE_FIRST:  # vLLM's client factory is swapped for this start's client while it runs
+        thread.start()
+        own = EngineCoreClient.__dict__["make_async_mp_client"]
+        EngineCoreClient.make_async_mp_client = staticmethod(started_client)
+        try:
+            from vllm.v1.engine import async_llm
 
-        return async_llm.AsyncLLM(vllm_config=vllm_config, executor_class=executor_class,
-                                  log_requests=engine_args.enable_log_requests, log_stats=log_stats,
-                                  usage_context=usage_context, stat_loggers=stat_loggers)
-    except BaseException:
-        thread.join()  # the front-end failed before it took the engine: stop the engine too
-        client = launched.pop("client", None)
-        if client is not None:
-            client.shutdown()
-        raise
-    finally:
-        EngineCoreClient.make_async_mp_client = own
+            return async_llm.AsyncLLM(vllm_config=vllm_config, executor_class=executor_class,
+                                      log_requests=engine_args.enable_log_requests, log_stats=log_stats,
+                                      usage_context=usage_context, stat_loggers=stat_loggers)
+        except BaseException:
+            thread.join()  # the front-end failed before it took the engine: stop the engine too
+            client = launched.pop("client", None)
+            if client is not None:
+                client.shutdown()
+            raise
+        finally:
+            EngineCoreClient.make_async_mp_client = own
