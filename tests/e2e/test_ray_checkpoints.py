@@ -11,6 +11,7 @@ with Ray, checkpointed like the rest (a rerun does not ask for them again).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -19,6 +20,7 @@ import sys
 import urllib.request
 from pathlib import Path
 
+import psutil
 import pyarrow.parquet as pq
 import pytest
 from waiting import wait_for
@@ -79,8 +81,16 @@ def test_a_killed_checkpointed_run_reruns_without_losing_or_repeating_an_id(serv
 
     first = subprocess.Popen(cmd, stdout=open(log, "ab"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
     wait_for(lambda: len(list(out.glob("*.parquet"))) >= 2, 600, "two output files", first)
-    os.killpg(first.pid, signal.SIGKILL)  # the driver and the Ray it started
+    # the driver and the Ray it started, all at once: Ray's workers need not share the driver's
+    # process group, and one left running could write a file after `before` is read
+    family = psutil.Process(first.pid).children(recursive=True)
+    os.killpg(first.pid, signal.SIGKILL)
+    for proc in family:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()
     first.wait(timeout=30)
+    gone, alive = psutil.wait_procs(family, timeout=30)
+    assert not alive, [p.pid for p in alive]
     before = written(out)
     assert 0 < len(before) < ROWS, len(before)
 
