@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import start_counts
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("RAY_DEDUP_LOGS", "1")
@@ -42,6 +43,7 @@ def _engine_cores() -> None:
 
 
 _engine_cores()
+start_counts.log_here()
 
 
 @pytest.fixture(scope="session")
@@ -75,8 +77,11 @@ def ray_cluster():
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", f"--port={port}",
            "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp}"]
+    from llmbatch import startlog
+
     try:
-        subprocess.run(cmd, check=True, capture_output=True, env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
+        with startlog.timed("ray-cluster"):
+            subprocess.run(cmd, check=True, capture_output=True, env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
     except subprocess.CalledProcessError:
         _stop_own_cluster(temp)  # a head that failed half-way (its raylet died) leaves its GCS and monitors running
         shutil.rmtree(temp, ignore_errors=True)
@@ -133,18 +138,31 @@ def pytest_xdist_make_scheduler(config, log):
 
 
 _file_seconds: dict[str, float] = {}
+#: (worker, file, start, stop) of every test phase the session ran: the start-up ledger's lines
+#: are put on the file that ran on their worker when they began
+_phases: list[tuple[str, str, float, float]] = []
 
 
 def pytest_runtest_logreport(report):
     path = report.nodeid.split("::")[0]
     _file_seconds[path] = _file_seconds.get(path, 0.0) + report.duration
+    node = getattr(report, "node", None)
+    worker = node.gateway.id if node is not None else os.environ.get("PYTEST_XDIST_WORKER", "main")
+    _phases.append((worker, path, report.start, report.stop))
 
 
 def pytest_terminal_summary(terminalreporter):
     """Seconds per test file (setup, call and teardown), longest first: what
-    tests/suite_schedule.py's LONGEST_FIRST is ordered by."""
+    tests/suite_schedule.py's LONGEST_FIRST is ordered by; and the suite's expensive starts."""
     if not _file_seconds:
         return
     terminalreporter.section("seconds per test file")
     for path, seconds in sorted(_file_seconds.items(), key=lambda kv: -kv[1])[:25]:
         terminalreporter.write_line(f"{seconds:8.1f}s  {path}")
+    from start_counts import START_DIR_ENV, count_starts, format_counts
+
+    folder = os.environ.get(START_DIR_ENV)
+    if folder and not os.environ.get("PYTEST_XDIST_WORKER"):
+        terminalreporter.section("engine cold starts per test file (LLMBATCH_START_LOG)")
+        for line in format_counts(count_starts(Path(folder), _phases, _file_seconds)):
+            terminalreporter.write_line(line)

@@ -323,10 +323,14 @@ def serve(
 
 
 def main() -> None:
-    try:
-        app()
-    except KeyboardInterrupt:
-        sys.exit(130)
+    from llmbatch import startlog
+
+    # the whole CLI process, from its start (the start-up ledger: LLMBATCH_START_LOG)
+    with startlog.timed("cli", command=" ".join(sys.argv[1:2])):
+        try:
+            app()
+        except KeyboardInterrupt:
+            sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,10 @@ def ensure_ray(**init_kwargs) -> None:
     if os.environ.get("RAY_ADDRESS"):
         kwargs.pop("num_cpus", None)
         kwargs.pop("num_gpus", None)
-    ray.init(**kwargs)
+    from llmbatch import startlog
+
+    with startlog.timed("ray-init", joined=bool(os.environ.get("RAY_ADDRESS") or kwargs.get("address"))):
+        ray.init(**kwargs)
 
 
 def check_accelerator(accelerator_type: str, cluster: dict[str, float]) -> None:

@@ -26,7 +26,10 @@ def main() -> int:
     from llmbatch import HttpRequestProcessorConfig, build_processor
 
     os.environ.pop("RAY_ADDRESS", None)
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
+    from llmbatch import startlog
+
+    with startlog.timed("ray-cluster", cpus=2):
+        ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False
     ctx.checkpoint_config = CheckpointConfig(id_column="id", checkpoint_path=args.checkpoint)

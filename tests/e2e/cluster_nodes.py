@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 
 
 def main() -> int:
@@ -23,7 +24,10 @@ def main() -> int:
 
     from ray.cluster_utils import Cluster
 
+    from llmbatch import startlog
+
     store = 100 * 1024 * 1024
+    t0 = time.time()
     # a node that stops answering is declared dead after ~2 s (Ray's default: ~30 s)
     cluster = Cluster(initialize_head=True, head_node_args=dict(
         num_cpus=args.head_cpus, include_dashboard=False, object_store_memory=store,
@@ -33,6 +37,7 @@ def main() -> int:
         workers = [cluster.add_node(num_cpus=args.worker_cpus, object_store_memory=store)
                    for _ in range(args.workers)]
         cluster.wait_for_nodes()
+        startlog.record("ray-cluster", t0, time.time() - t0, nodes=1 + args.workers)
         print(json.dumps({"address": cluster.address,
                           "raylets": [w.all_processes["raylet"][0].process.pid for w in workers]}), flush=True)
         for line in sys.stdin:

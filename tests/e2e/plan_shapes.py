@@ -158,7 +158,11 @@ def main() -> int:
     from llmbatch import build_processor, vLLMEngineProcessorConfig
 
     os.environ.pop("RAY_ADDRESS", None)
-    ray.init(num_cpus=args.cpus, include_dashboard=False, logging_level="ERROR", log_to_driver=bool(os.environ.get("SHAPES_VERBOSE")))
+    from llmbatch import startlog
+
+    with startlog.timed("ray-cluster", cpus=args.cpus):
+        ray.init(num_cpus=args.cpus, include_dashboard=False, logging_level="ERROR",
+                 log_to_driver=bool(os.environ.get("SHAPES_VERBOSE")))
     rd.DataContext.get_current().enable_progress_bars = False
     def processor(stall_timeout_s: float):
         config = vLLMEngineProcessorConfig(model_source="smollm2-135m-instruct", engine_kwargs=ENGINE, batch_size=4,

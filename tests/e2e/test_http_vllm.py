@@ -23,6 +23,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
+from llmbatch import startlog
 from llmbatch.engines.vllm_setup import cpu_dtype
 
 pytestmark = pytest.mark.e2e
@@ -61,6 +62,7 @@ class VllmServer:
         self.proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True,
                                      env={**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"})
         self.ready = False
+        self.t0 = time.time()
 
     def url(self) -> str:
         deadline = time.monotonic() + 900
@@ -70,6 +72,7 @@ class VllmServer:
             try:
                 urllib.request.urlopen(f"http://127.0.0.1:{self.port}/v1/models", timeout=2).read()
                 self.ready = True
+                startlog.record("vllm-serve", self.t0, time.time() - self.t0)
             except OSError:
                 if time.monotonic() > deadline:
                     raise AssertionError("vllm serve did not start:\n" + self.log.read_text()[-3000:]) from None

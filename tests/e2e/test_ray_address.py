@@ -22,6 +22,7 @@ import pyarrow.parquet as pq
 import pytest
 from waiting import wait_for
 
+from llmbatch import startlog
 from llmbatch.reaper import end_processes, processes_naming
 
 pytestmark = pytest.mark.e2e
@@ -47,9 +48,10 @@ def head():
     port = free_port()
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_TMPDIR": str(temp)}
     env.pop("RAY_ADDRESS", None)
-    subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "start", "--head", f"--port={port}",
-                    f"--temp-dir={temp}", "--num-cpus=2", "--include-dashboard=false", "--disable-usage-stats"],
-                   check=True, capture_output=True, env=env)
+    with startlog.timed("ray-cluster", cpus=2):
+        subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "start", "--head", f"--port={port}",
+                        f"--temp-dir={temp}", "--num-cpus=2", "--include-dashboard=false", "--disable-usage-stats"],
+                       check=True, capture_output=True, env=env)
     try:
         yield f"127.0.0.1:{port}", temp
     finally:

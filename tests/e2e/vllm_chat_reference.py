@@ -29,7 +29,10 @@ if __name__ == "__main__":
     # the same settings as llmbatch's engine: where they name no dtype, the one llmbatch picks on
     # this CPU (float32 where it has no native bfloat16)
     settings = {"dtype": cpu_dtype(req["model"]) or "auto", **req["engine_kwargs"]}
-    llm = LLM(model=req["model"], **settings)
+    from llmbatch import startlog
+
+    with startlog.timed("vllm-reference", model=req["model"]):
+        llm = LLM(model=req["model"], **settings)
     outs = llm.chat(req["conversations"], SamplingParams(**req["sampling_params"]), use_tqdm=False)
     json.dump([{"tokens": list(o.outputs[0].token_ids), "num_input_tokens": len(o.prompt_token_ids),
                 "prompt": o.prompt} for o in outs], open(sys.argv[2], "w"))

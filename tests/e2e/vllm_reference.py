@@ -21,7 +21,10 @@ if __name__ == "__main__":
     # the same settings as llmbatch's engine: where they name no dtype, the one llmbatch picks on
     # this CPU (float32 where it has no native bfloat16)
     settings = {"dtype": cpu_dtype(req["model"]) or "auto", **req["engine_kwargs"]}
-    llm = LLM(model=req["model"], **settings)
+    from llmbatch import startlog
+
+    with startlog.timed("vllm-reference", model=req["model"]):
+        llm = LLM(model=req["model"], **settings)
     loras: dict[str, LoRARequest] = {}
     prompts, params, lora_requests = [], [], []
     for row in req["rows"]:

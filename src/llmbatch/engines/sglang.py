@@ -29,6 +29,7 @@ import sys
 import time
 from typing import Any
 
+from llmbatch import startlog
 from llmbatch.engines.base import Request
 from llmbatch.engines.logs import EngineLog
 from llmbatch.engines.sglang_params import output_columns, sampling_params
@@ -149,7 +150,7 @@ class SGLangEngine:
         if self.log is None:
             self.log = EngineLog()
         watch_children()  # the engine's processes never outlive this replica
-        with self.log.capture():
+        with startlog.timed("sglang-engine", model=self.model_source), self.log.capture():
             self._start()
         self._dead = asyncio.get_running_loop().create_future()
         self._monitor = asyncio.ensure_future(self._watch())

@@ -25,6 +25,7 @@ from llmbatch.engines.vllm_params import (
     request_digest,
     sampling_params,
 )
+from llmbatch import startlog
 from llmbatch.engines import vllm_procs
 from llmbatch.engines.vllm_setup import _import_vllm, _ray_stat_logger, engine_arguments, engine_env, on_cpu, one_line
 from llmbatch.errors import EngineStartError, RowValidationError
@@ -75,7 +76,7 @@ class VLLMEngine:
 
     async def start(self) -> None:
         self.begin()
-        with self.log.capture():
+        with startlog.timed("vllm-engine", model=self.model_source, task=self.task_type), self.log.capture():
             await self._start()
         self.log.take_loggers()
 
