@@ -25,6 +25,11 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 # no more, while llmbatch's default (15% of free memory, 3 GiB on a 24 GiB machine) costs about
 # 3 s of every engine's start to allocate, and ~110 engines start in the suite
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+# engines stay loaded between the runs of a test worker (llmbatch.stages.warm): a run whose
+# engine settings match an earlier run's on the worker's Ray cluster leases that engine instead
+# of starting one (the drivers that tests start inherit this too). Tests of an engine's own
+# start, death or processes set keep_warm_s=0.
+os.environ.setdefault("LLMBATCH_KEEP_WARM_S", "1800")
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -25,6 +25,7 @@ from llmbatch.config import (
 from llmbatch.engines.http import HttpEngine
 from llmbatch.engines.serve import REPLICA_ATTEMPTS, ServeEngine
 from llmbatch.engines.sglang import SGLangEngine, check_sglang_build
+from llmbatch.engines import vllm_procs
 from llmbatch.engines.vllm import VLLMEngine
 from llmbatch.engines.vllm_chat import VllmChat
 from llmbatch.errors import ConfigError
@@ -36,6 +37,7 @@ from llmbatch.stages.detokenize import DetokenizeStage
 from llmbatch.stages.engine import EngineStage
 from llmbatch.stages.multimodal import MediaPolicy, PrepareMultimodalStage
 from llmbatch.stages.tokenize import TokenizeStage
+from llmbatch.stages.warm import WarmEngineStage
 from llmbatch.stages.user_fns import PostprocessStage, PreprocessStage
 
 UserFn = Callable[[dict[str, Any]], dict[str, Any]]
@@ -96,8 +98,11 @@ def build_vllm_processor(config: vLLMEngineProcessorConfig, **kwargs: Any) -> Pr
                         replicas_per_node=hi,
                         detokenize_after=config.detokenize_stage.enabled and config.task_type == "generate",
                         log_metrics=config.log_engine_metrics)
+    keep_warm_s = config.resolved_keep_warm_s()
+    if keep_warm_s and (remote_fn is not None or not vllm_procs.single_process(engine_kwargs)):
+        keep_warm_s = 0.0  # a warm host serves engines of one device only (stages/warm.py)
     return _engine_processor(config, engine, max_model_len=config.engine_kwargs.get("max_model_len"),
-                             remote_fn=remote_fn, **kwargs)
+                             remote_fn=remote_fn, keep_warm_s=keep_warm_s, **kwargs)
 
 
 @register(SGLangEngineProcessorConfig)
@@ -113,7 +118,7 @@ def build_sglang_processor(config: SGLangEngineProcessorConfig, **kwargs: Any) -
 
 
 def _engine_processor(config: OfflineProcessorConfig, engine: Any, *, max_model_len: Any, remote_fn=None,
-                      needs_gpu: bool = False, preprocess: UserFn | None = None, postprocess: UserFn | None = None,
+                      needs_gpu: bool = False, keep_warm_s: float = 0.0, preprocess: UserFn | None = None, postprocess: UserFn | None = None,
                       preprocess_map_kwargs: dict[str, Any] | None = None,
                       postprocess_map_kwargs: dict[str, Any] | None = None,
                       chat_template_kwargs: dict[str, Any] | None = None,
@@ -153,6 +158,8 @@ def _engine_processor(config: OfflineProcessorConfig, engine: Any, *, max_model_
         flush_rows=max(1, min(64, config.batch_size // 4)),
         structured_output_errors=config.resolved_structured_output_errors(),
     )
+    if keep_warm_s:
+        engine = WarmEngineStage(engine, keep_warm_s)
     post: list[StageSpec] = []
     dt = config.detokenize_stage
     if dt.enabled and generate:

@@ -325,6 +325,7 @@ class vLLMEngineProcessorConfig(OfflineProcessorConfig):
     log_engine_metrics: bool = Field(False, json_schema_extra=PLACEMENT, description="Export vLLM engine metrics through Ray's Prometheus endpoint (needs Ray's metrics export port).")
     dynamic_lora_loading_path: Optional[str] = Field(None, description="Folder (local, s3:// or gs://) holding one subfolder per LoRA adapter; rows pick one with 'model'.")
     placement_group_config: Optional[dict[str, Any]] = Field(None, json_schema_extra=PLACEMENT, description="Ray placement group for each replica's workers: {'bundles': [...], 'strategy': 'PACK'} or {'bundle_per_worker': {...}}.")
+    keep_warm_s: Optional[float] = Field(None, ge=0, json_schema_extra=PLACEMENT, description="llmbatch: keep each replica's engine loaded this many idle seconds after the run, for the next run on the same Ray cluster with the same model and engine settings (a notebook's next cell, the next job on a standing cluster): that run starts in seconds instead of loading the model again. Default: the environment variable LLMBATCH_KEEP_WARM_S, else 0 (the engine stops with its run). Engines of one device without placement_group_config.")
     @model_validator(mode="before")
     @classmethod
     def _engine_task_type(cls, data: Any) -> Any:
@@ -352,6 +353,14 @@ class vLLMEngineProcessorConfig(OfflineProcessorConfig):
         if strategy not in ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"):
             raise ValueError(f"strategy must be PACK, STRICT_PACK, SPREAD or STRICT_SPREAD, not {strategy!r}")
         return value
+
+    def resolved_keep_warm_s(self) -> float:
+        """``keep_warm_s``, or its default from the environment (``LLMBATCH_KEEP_WARM_S``)."""
+        if self.keep_warm_s is not None:
+            return self.keep_warm_s
+        from llmbatch.stages.warm import keep_warm_default
+
+        return keep_warm_default()
 
     def devices_per_replica(self) -> int:
         """GPUs one replica needs: tensor_parallel_size x pipeline_parallel_size."""

@@ -49,7 +49,8 @@ class LLMServer:
     """llmbatch's engine stages as a Ray Serve deployment (see module docstring)."""
 
     async def __init__(self, engine_config: dict[str, Any], model_id: str):
-        config = vLLMEngineProcessorConfig(**{**engine_config, "should_continue_on_error": True})
+        # the deployment is the long-lived engine itself: no warm host behind it
+        config = vLLMEngineProcessorConfig(**{**engine_config, "should_continue_on_error": True, "keep_warm_s": 0})
         layout = build_vllm_processor(config).layout
         self.stages = [s.stage for s in layout.pre] + [layout.engine] + [s.stage for s in layout.post]
         self.model_id = model_id

@@ -27,6 +27,7 @@ from llmbatch.errors import ConfigError, ResourceError
 from llmbatch.rows import PRIVATE_PREFIX, ROW_ID
 from llmbatch.stages.base import Stage
 from llmbatch.stages.runner import StageRunner
+from llmbatch.stages.warm import WarmEngineStage
 from llmbatch.watchdog import watch
 
 logger = logging.getLogger(__name__)
@@ -217,6 +218,14 @@ class Processor:
             raise ResourceError(f"{type(self.config).__name__} needs a GPU and this Ray cluster has none; "
                                 "run it on a GPU machine or cluster, or use vLLMEngineProcessorConfig here")
         _check_input_columns(dataset)
+        ops = self.operators(cluster)
+        if isinstance(lay.engine, WarmEngineStage):
+            # the warm host holds the replica's devices, the replica only its CPU stages
+            engine_op = next(op for op in ops if lay.engine in op.stages)
+            lay.engine.host_resources = {k: engine_op.remote_args.pop(k) for k in ("num_gpus", "accelerator_type")
+                                         if k in engine_op.remote_args}
+            if lay.runtime_env:
+                lay.engine.host_resources["runtime_env"] = lay.runtime_env
         for stage in self.stages:
             stage.prepare()
         ds = ray.data.Dataset.copy(dataset, _deep_copy=True)
@@ -229,7 +238,6 @@ class Processor:
         ctx.execution_no_progress_timeout_s = -1  # ours (below) knows a busy engine from a stall
         run_id = uuid.uuid4().hex
         watch(ctx, run_id, lay.stall_timeout_s)
-        ops = self.operators(cluster)
         if _joins_datasets(ds):
             # a union of a pandas-backed dataset (from_pandas, a pandas map_batches) and an Arrow
             # one hands the batcher slices of both formats in one bundle, which Ray Data cannot

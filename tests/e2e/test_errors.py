@@ -274,6 +274,8 @@ def test_killing_the_engine_process_loses_no_row(ray_cluster, smollm2, tmp_path)
                           "--prompt", "Customer #{Index}: describe {Company} in one sentence.",
                           "--output", str(tmp_path / "o.parquet"), "--max-tokens", "32", "--quiet",
                           "--set", "sampling_params.ignore_eos=true", "--set", "commit_seconds=1",
+                          # the engine is this replica's own (not a warm host's): its process is killed
+                          "--set", "model.keep_warm_s=0",
                           "--set", "model.batch_size=8", "--set", "model.max_concurrent_batches=2"],
                          stdout=log, stderr=subprocess.STDOUT, env=os.environ, start_new_session=True)
     job_dir = tmp_path / "o.parquet.job"

@@ -44,8 +44,9 @@ def test_every_example_is_covered():
 
 def test_industry_example(ray_cluster, smollm2, sample_csv, tmp_path):
     out = tmp_path / "industries.parquet"
+    # an engine of its own (no warm one): the phases below include a model load
     proc = run_cli("run", str(EXAMPLES / "industry.yaml"), "--quiet", "--report", "--set", f"input.path={sample_csv}",
-                   "--set", "input.limit=12", "--set", f"output.path={out}")
+                   "--set", "input.limit=12", "--set", f"output.path={out}", "--set", "model.keep_warm_s=0")
     assert "12 answered" in proc.stdout and "report" in proc.stdout
     png = tmp_path / "industries.parquet.job" / "report.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -44,7 +44,7 @@ def request(row):
 """
 
 
-def write_job(tmp_path: Path, rows: int, *, long_tail: int = 20) -> tuple[Path, Path]:
+def write_job(tmp_path: Path, rows: int, *, long_tail: int = 20, keep_warm_s: float | None = None) -> tuple[Path, Path]:
     from llmbatch.sample_data import write_customers_csv
 
     write_customers_csv(tmp_path / "customers.csv", rows, seed=11)
@@ -57,11 +57,12 @@ def write_job(tmp_path: Path, rows: int, *, long_tail: int = 20) -> tuple[Path, 
           engine_kwargs: {max_model_len: 512}
           batch_size: 8
           max_concurrent_batches: 2   # rows come back in waves (not all at once), so kills land mid-job
+          {warm}
         preprocess: hooks:request
         output: {path: out/notes.parquet, columns: [Index, Company, generated_text, num_generated_tokens]}
         commit_rows: 1000
         commit_seconds: 1
-    """))
+    """).replace("{warm}", "" if keep_warm_s is None else f"keep_warm_s: {keep_warm_s}"))
     return job, tmp_path / "out" / "notes.parquet.job"
 
 
@@ -154,7 +155,8 @@ def test_sigkill_at_three_points_and_sigint_then_resume_exactly_once(ray_cluster
 
 def test_engine_replica_killed_mid_run_loses_no_row(ray_cluster, smollm2, tmp_path):
     rows = 48
-    job_file, job_dir = write_job(tmp_path, rows, long_tail=10)
+    # the replica's own engine (no warm host): killing the replica kills its engine
+    job_file, job_dir = write_job(tmp_path, rows, long_tail=10, keep_warm_s=0)
     log = tmp_path / "driver.log"
     p = cli("run", str(job_file), "--quiet", log=log)
     wait_for(lambda: committed(job_dir) >= 16, BOUND_S, "first parts", p, step=POLL_S)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import logging
 import re
 import time
@@ -71,6 +72,13 @@ class VLLMEngine:
         self._tokenizer = None
         #: whether vLLM's engine process comes from a warm fork server (engines/vllm_procs.py)
         self._fork_server: bool | None = None
+
+    def warm_key(self) -> str:
+        """What makes two of these engines interchangeable (a warm engine host serves every run
+        whose engine has the same key: :mod:`llmbatch.stages.warm`)."""
+        return json.dumps(["vllm", self.model_source, self.engine_kwargs, self.task_type,
+                           self.dynamic_lora_loading_path, self.replicas_per_node, self.detokenize_after,
+                           self.log_metrics], sort_keys=True, default=str)
 
     # -- lifecycle ---------------------------------------------------------------------------
 

@@ -96,10 +96,21 @@ class EngineStage(Stage):
             begin()
 
     async def start(self) -> None:
-        self.replica = f"{os.uname().nodename}:{os.getpid()}"  # the worker's, not the driver's
-        self.devices = os.environ.get("CUDA_VISIBLE_DEVICES", "")  # the GPUs Ray gave this replica
         self.start_at = time.time()
         await self.engine.start()
+        self._ready_up()
+
+    def adopt(self, engine: Engine, start_at: float | None = None) -> None:
+        """Run on ``engine``, started already (a warm engine host's: :mod:`llmbatch.stages.warm`)
+        instead of starting this stage's own; ``start_at``: when this run's wait for it began
+        (now: a warm engine's start takes no time)."""
+        self.engine = engine
+        self.start_at = start_at or time.time()
+        self._ready_up()
+
+    def _ready_up(self) -> None:
+        self.replica = f"{os.uname().nodename}:{os.getpid()}"  # the worker's, not the driver's
+        self.devices = os.environ.get("CUDA_VISIBLE_DEVICES", "")  # the GPUs Ray gave this replica
         limit = self.max_pending_requests
         if limit is None:
             limit = math.ceil(self.engine.capacity * 1.1)

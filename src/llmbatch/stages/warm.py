@@ -1,0 +1,426 @@
+"""Warm engines: an engine that outlives its run, for the next run with the same settings.
+
+A vLLM engine takes a minute to start on a laptop and tens of seconds on a GPU (imports, the
+engine process, the weights, the KV cache). A notebook that runs a processor again, a
+standing cluster that runs job after job, a test suite: each run paid it again. With
+``keep_warm_s`` (a field of :class:`~llmbatch.config.vLLMEngineProcessorConfig`, default
+``LLMBATCH_KEEP_WARM_S``) the engine lives in an *engine host*: a detached Ray actor named
+after the engine's settings. A run's replica leases a host, sends it the rows of its engine
+stage and gives it back when the run ends; the host keeps its engine loaded for ``keep_warm_s``
+idle seconds, and the next run with the same settings on the same Ray cluster leases it
+instead of starting an engine.
+
+- The replica keeps its CPU stages (preprocess, chat template, tokenize, detokenize,
+  postprocess); the host runs the engine stage: a fresh :class:`EngineStage` per lease (the
+  run's own settings and dedup cache) around the host's engine.
+- One lease at a time per host. A host whose lessee died (a killed driver, a replica Ray took
+  away) is handed to the next run; a run that finds every matching host busy starts one more.
+- A host whose engine dies restarts it (the engine stage's own restart); a host that dies is
+  replaced, and the rows it had not answered go to the new one.
+- Before a new host starts, idle hosts of other settings stop (on a GPU all of them: a host
+  holds its device), keeping at most :data:`IDLE_OTHERS_CPU` on a machine without GPUs.
+- A host whose engine cannot start fails the lease with the reason and stops.
+
+Only for engines of one device and no placement group (the engine's workers would outlive a
+replica's placement group otherwise). The hosts die with the Ray cluster (``llmbatch run``
+without ``RAY_ADDRESS`` starts and stops its own).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from llmbatch.errors import EngineStartError
+from llmbatch.rows import PRIVATE_PREFIX, STATS, Row
+from llmbatch.stages.base import Stage
+from llmbatch.stages.engine import EngineStage, _process_start
+
+logger = logging.getLogger(__name__)
+
+#: Ray namespace and name prefix of the hosts (``llmbatch-warm:<settings digest>:<n>``).
+NAMESPACE = "llmbatch-warm"
+PREFIX = "llmbatch-warm"
+#: The default of ``keep_warm_s`` (seconds), where the config leaves it unset.
+KEEP_WARM_ENV = "LLMBATCH_KEEP_WARM_S"
+#: How long a lease waits for a host whose lessee is alive to be given back (the last run's
+#: replica goes away a moment after its last batch) before it looks for another host.
+HANDOVER_WAIT_S = 10.0
+#: How often a host looks at its lessee (alive?) and at its idle time.
+WATCH_EVERY_S = 2.0
+#: Leases a replica takes before its run fails (a host that died mid-run, a lease lost).
+LEASE_ATTEMPTS = 3
+#: Idle hosts of other settings kept when a new host starts, on a cluster without GPUs.
+IDLE_OTHERS_CPU = 1
+#: The row key that tells a replica which of its rows came back from the host.
+_INDEX = f"{PRIVATE_PREFIX}warm_i"
+
+
+def keep_warm_default() -> float:
+    """``LLMBATCH_KEEP_WARM_S`` as seconds (0 where unset)."""
+    raw = os.environ.get(KEEP_WARM_ENV, "").strip()
+    try:
+        return max(0.0, float(raw)) if raw else 0.0
+    except ValueError:
+        from llmbatch.errors import ConfigError
+
+        raise ConfigError(f"{KEEP_WARM_ENV}={raw!r} is not a number of seconds; set it to e.g. 600, "
+                          "or unset it") from None
+
+
+class LeaseLost(RuntimeError):
+    """The host was leased to another run (this replica's lessee looked dead)."""
+
+
+class EngineHost:
+    """The detached actor that keeps one engine loaded between runs (module docstring)."""
+
+    def __init__(self, key: str, keep_warm_s: float):
+        self.key = key
+        self.keep_warm_s = keep_warm_s
+        self.engine: Any = None
+        self._starting: asyncio.Future | None = None
+        self._start_began = 0.0
+        self.token: str | None = None
+        self.lessee: Any = None
+        self.stage: EngineStage | None = None
+        self._tasks: set[asyncio.Task] = set()
+        self.idle_since = time.time()
+        self.leases = 0
+        self._closing = False
+        self._watcher: asyncio.Task | None = None
+
+    # -- leases ------------------------------------------------------------------------------
+
+    async def lease(self, token: str, stage: EngineStage, lessee: Any, keep_warm_s: float) -> dict[str, Any]:
+        """Lease this host to a run's replica: ``stage`` (the run's engine stage) runs on this
+        host's engine, started now if it is not yet. Returns ``{"ok": bool, ...}``; raises the
+        engine's :class:`EngineStartError` where it cannot start."""
+        if self._watcher is None:
+            self._watcher = asyncio.ensure_future(self._watch())
+        if self._closing:
+            return {"ok": False, "why": "stopping"}
+        if self.token not in (None, token):
+            deadline = time.monotonic() + HANDOVER_WAIT_S
+            while self.token is not None:
+                if not await self._lessee_alive():
+                    self._release()
+                    break
+                if time.monotonic() > deadline:
+                    return {"ok": False, "why": "leased"}
+                await asyncio.sleep(0.2)
+        self.token, self.lessee, self.keep_warm_s = token, lessee, keep_warm_s
+        leased_at = time.time()
+        warm = self.engine is not None
+        if self._starting is None:
+            self._start_began = leased_at
+            self._starting = asyncio.ensure_future(self._start(stage.engine))
+        try:
+            await asyncio.shield(self._starting)
+        except BaseException:
+            if self.token == token:
+                self._release()
+            raise
+        if self.token != token:  # given away while the engine started (this lessee looked dead)
+            return {"ok": False, "why": "leased"}
+        stage.adopt(self.engine, start_at=leased_at if warm else self._start_began)
+        self.stage = stage
+        self.leases += 1
+        return {"ok": True, "warm": warm, "leases": self.leases, "where": f"{os.uname().nodename}:{os.getpid()}"}
+
+    async def _start(self, engine: Any) -> None:
+        try:
+            await engine.start()
+        except BaseException:
+            self._closing = True  # a host whose engine cannot start is no use to the next run
+            asyncio.get_running_loop().call_later(1.0, self._exit)
+            raise
+        self.engine = engine
+
+    async def release(self, token: str) -> None:
+        """The run is over: the engine stays loaded for ``keep_warm_s`` idle seconds."""
+        if self.token == token:
+            self._release()
+
+    def _release(self) -> None:
+        self.token, self.lessee, self.stage = None, None, None
+        for task in list(self._tasks):
+            task.cancel()
+        self.idle_since = time.time()
+
+    async def _lessee_alive(self) -> bool:
+        """Whether the lessee (a replica actor) lives; one that does not answer in time, busy
+        with a batch, counts as alive."""
+        if self.lessee is None:
+            return True
+        from ray.exceptions import RayActorError
+
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(self.lessee.__ray_ready__.remote().future()), 5.0)
+        except RayActorError:
+            return False
+        except Exception:  # noqa: BLE001 - a timeout or a transient error: alive
+            return True
+        return True
+
+    # -- rows --------------------------------------------------------------------------------
+
+    async def run(self, token: str, rows: list[Row]) -> AsyncIterator[list[Row]]:
+        """The lease's engine stage over ``rows``, streamed back as rows finish."""
+        if token != self.token or self.stage is None:
+            raise LeaseLost("this engine host was handed to another run")
+        task = asyncio.current_task()
+        if task is not None:
+            self._tasks.add(task)
+        try:
+            async for chunk in self.stage(rows):
+                yield chunk
+        finally:
+            if task is not None:
+                self._tasks.discard(task)
+            self.idle_since = time.time()
+
+    # -- lifetime ----------------------------------------------------------------------------
+
+    def state(self) -> dict[str, Any]:
+        return {"key": self.key, "leased": self.token is not None, "idle_s": time.time() - self.idle_since,
+                "engine": self.engine is not None, "stopping": self._closing}
+
+    async def stop(self) -> bool:
+        """Stop the engine and this host, unless it is leased; returns whether it stops."""
+        if self.token is not None and await self._lessee_alive():
+            return False
+        await self._close()
+        return True
+
+    async def _close(self) -> None:
+        if self._closing and self.engine is None:
+            return
+        self._closing = True
+        self._release()
+        engine, self.engine = self.engine, None
+        if engine is not None:
+            try:
+                await engine.close()
+            except Exception:  # noqa: BLE001 - the host goes away either way
+                logger.debug("warm engine close failed", exc_info=True)
+        asyncio.get_running_loop().call_later(0.1, self._exit)
+
+    def _exit(self) -> None:
+        import ray
+
+        try:
+            ray.get_runtime_context().current_actor.__ray_terminate__.remote()
+        except Exception:  # noqa: BLE001 - nothing else to do; Ray ends it with the cluster
+            logger.debug("warm engine host could not end itself", exc_info=True)
+
+    async def _watch(self) -> None:
+        checked = time.monotonic()
+        while not self._closing:
+            await asyncio.sleep(WATCH_EVERY_S)
+            if self.token is not None:
+                # a lessee that died without giving the host back (a killed driver): look now
+                # and then, when no batch of its is running here
+                if not self._tasks and time.monotonic() - checked > 5 * WATCH_EVERY_S:
+                    checked = time.monotonic()
+                    if not await self._lessee_alive():
+                        self._release()
+                continue
+            if self._starting is not None and not self._starting.done():
+                continue
+            if time.time() - self.idle_since > self.keep_warm_s:
+                await self._close()
+
+
+def _host_class():
+    import ray
+
+    return ray.remote(EngineHost)
+
+
+def warm_key(stage: EngineStage, host_resources: dict[str, Any]) -> str:
+    """A digest of what makes two engines interchangeable: the engine's own settings, where it
+    runs, and llmbatch's version."""
+    from llmbatch import __version__
+
+    text = repr((stage.engine.warm_key(), sorted((k, repr(v)) for k, v in host_resources.items()), __version__))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _hosts() -> dict[str, str]:
+    """name -> settings digest of every host on the cluster."""
+    import ray
+
+    out = {}
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        name = entry.get("name", "")
+        if entry.get("namespace") == NAMESPACE and name.startswith(PREFIX + ":"):
+            out[name] = name.split(":")[1]
+    return out
+
+
+async def _stop_idle_others(key: str, keep: int) -> None:
+    """Stop idle hosts of other settings, the longest idle first, keeping ``keep`` of them."""
+    import ray
+
+    idle = []
+    for name, other in _hosts().items():
+        if other == key:
+            continue
+        try:
+            handle = ray.get_actor(name, namespace=NAMESPACE)
+            state = await handle.state.remote()
+        except Exception:  # noqa: BLE001 - gone since it was listed
+            continue
+        if not state["leased"] and not state["stopping"]:
+            idle.append((state["idle_s"], name, handle))
+    idle.sort(key=lambda item: item[0])  # most recently used first
+    for _, name, handle in idle[keep:]:
+        try:
+            await handle.stop.remote()
+            logger.info("stopped idle warm engine host %s to make room", name)
+        except Exception:  # noqa: BLE001 - gone already
+            continue
+
+
+async def lease(stage: EngineStage, key: str, keep_warm_s: float, host_resources: dict[str, Any]) -> tuple[Any, str]:
+    """Lease a host for ``stage`` (one with ``key`` that is free, else a new one); returns the
+    host's handle and the lease's token."""
+    import ray
+    from ray.exceptions import RayActorError, RayTaskError
+
+    try:
+        me = ray.get_runtime_context().current_actor
+    except Exception:  # noqa: BLE001 - not in an actor (a driver): the host cannot look at it
+        me = None
+    token = uuid.uuid4().hex
+    hosts = {name for name, other in _hosts().items() if other == key}
+    tried: set[str] = set()
+    for index in range(len(hosts) + 16):
+        name = next((n for n in sorted(hosts) if n not in tried), None)
+        if name is None:  # every host of these settings is busy: one more
+            await _stop_idle_others(key, 0 if host_resources.get("num_gpus") else IDLE_OTHERS_CPU)
+            taken = set(_hosts())
+            name = next(f"{PREFIX}:{key}:{n}" for n in range(len(taken) + 1) if f"{PREFIX}:{key}:{n}" not in taken)
+            options = {"name": name, "namespace": NAMESPACE, "lifetime": "detached", "get_if_exists": True,
+                       "num_cpus": 0, "max_restarts": 0, **host_resources}
+            handle = _host_class().options(**options).remote(key, keep_warm_s)
+        else:
+            try:
+                handle = ray.get_actor(name, namespace=NAMESPACE)
+            except ValueError:  # gone since it was listed
+                tried.add(name)
+                continue
+        tried.add(name)
+        try:
+            answer = await handle.lease.remote(token, stage, me, keep_warm_s)
+        except RayActorError:
+            continue  # the host died (or is stopping): the next one
+        except RayTaskError as exc:
+            cause = exc.cause if isinstance(exc.cause, BaseException) else exc
+            if isinstance(cause, EngineStartError):
+                raise EngineStartError(str(cause)) from None
+            raise
+        if answer.get("ok"):
+            logger.info("engine host %s leased (%s)", name, "warm" if answer.get("warm") else "started")
+            return handle, token
+    raise EngineStartError(f"no warm engine host could be leased for these settings ({key}); "
+                           f"set keep_warm_s=0 to start an engine in each replica")
+
+
+def _host_lost(exc: BaseException) -> bool:
+    from ray.exceptions import RayActorError, RayTaskError
+
+    if isinstance(exc, RayActorError):
+        return True
+    return isinstance(exc, RayTaskError) and isinstance(exc.cause, LeaseLost)
+
+
+class WarmEngineStage(Stage):
+    """The engine stage of a replica whose engine lives in a warm host (module docstring)."""
+
+    name = "engine"
+    starts_engine = True
+
+    def __init__(self, stage: EngineStage, keep_warm_s: float):
+        super().__init__()
+        self.local = stage
+        self.keep_warm_s = keep_warm_s
+        self.required_any = stage.required_any
+        #: what the host holds: the replica's devices (the processor sets them when it runs)
+        self.host_resources: dict[str, Any] = {}
+        self.key = ""
+        self.host: Any = None
+        self.token = ""
+        self.process_start_at = 0.0
+        self.begin_at = 0.0
+        #: requests inside the host's engine now, and answered so far (the replica's heartbeat)
+        self.in_flight = 0
+        self.done = 0
+
+    def prepare(self) -> None:
+        self.local.prepare()
+        self.key = warm_key(self.local, self.host_resources)
+
+    def begin(self) -> None:
+        self.process_start_at = _process_start()
+        self.begin_at = time.time()
+
+    async def start(self) -> None:
+        await self._lease()
+        self._ready = True
+
+    async def _lease(self) -> None:
+        self.host, self.token = await lease(self.local, self.key or warm_key(self.local, self.host_resources),
+                                            self.keep_warm_s, self.host_resources)
+
+    async def close(self) -> None:
+        host, self.host = self.host, None
+        if host is not None:
+            try:
+                await asyncio.wait_for(asyncio.wrap_future(host.release.remote(self.token).future()), 10.0)
+            except Exception:  # noqa: BLE001 - the host sees this replica gone and frees itself
+                logger.debug("warm engine host release failed", exc_info=True)
+
+    def _stamp(self, row: Row) -> None:
+        """The replica's own start in the row's engine facts (the host's process is older)."""
+        stats = row.get(STATS)
+        if isinstance(stats, dict):
+            stats["process_start_at"] = self.process_start_at
+            stats["begin_at"] = self.begin_at
+
+    async def __call__(self, rows: list[Row]) -> AsyncIterator[list[Row]]:
+        todo: dict[int, Row] = {}
+        for i, row in enumerate(rows):
+            row[_INDEX] = i
+            todo[i] = row
+        attempts = 0
+        while todo:
+            sent = len(todo)
+            self.in_flight += sent
+            try:
+                stream = self.host.run.options(num_returns="streaming").remote(self.token, list(todo.values()))
+                async for ref in stream:
+                    chunk = await ref
+                    for row in chunk:
+                        todo.pop(row.pop(_INDEX, None), None)
+                        self._stamp(row)
+                    self.in_flight -= len(chunk)
+                    sent -= len(chunk)
+                    self.done += len(chunk)
+                    yield chunk
+            except Exception as exc:  # noqa: BLE001 - the host died or was handed away: another lease
+                if not _host_lost(exc) or attempts >= LEASE_ATTEMPTS:
+                    raise
+                attempts += 1
+                logger.warning("warm engine host lost (%s: %s); %d rows go to another", type(exc).__name__, exc,
+                               len(todo))
+                await self._lease()
+            finally:
+                self.in_flight -= sent

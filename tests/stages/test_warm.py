@@ -1,0 +1,210 @@
+"""Warm engine hosts (llmbatch.stages.warm) on a real Ray cluster, with a fake engine: leases,
+the hand-over from a dead lessee, the idle stop, making room, a start that fails, a host that
+dies mid-run. The real engine runs warm in every e2e test of the suite (tests/conftest.py),
+and tests/e2e/test_warm.py checks that a second run adopts the first run's engine."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import time
+
+import pytest
+
+from llmbatch.engines.base import Request
+from llmbatch.errors import EngineStartError
+from llmbatch.rows import STATS
+from llmbatch.stages.engine import EngineStage
+from llmbatch.stages import warm
+
+
+class FakeEngine:
+    """Answers each row with the process and the number of starts it has seen."""
+
+    def __init__(self, name: str = "a", fail_start: bool = False, delay_s: float = 0.0):
+        self.name = name
+        self.fail_start = fail_start
+        self.delay_s = delay_s
+        self.capacity = 4
+        self.starts = 0
+
+    def warm_key(self) -> str:
+        return f"fake:{self.name}:{self.fail_start}"
+
+    async def start(self):
+        await asyncio.sleep(0.05)
+        if self.fail_start:
+            raise EngineStartError("the fake engine cannot start: it was told to fail")
+        self.starts += 1
+
+    async def restart(self):
+        await self.start()
+
+    async def close(self):
+        pass
+
+    def is_fatal(self, exc):
+        return False
+
+    def build_request(self, row):
+        return Request(prompt=row["prompt"], params=None, key=None, sort_key=row["prompt"])
+
+    async def run(self, request):
+        await asyncio.sleep(self.delay_s)
+        return {"generated_text": f"{os.getpid()}:{self.starts}:{request.prompt}"}
+
+
+@pytest.fixture(autouse=True)
+def by_value(ray_cluster):
+    """Ray pickles this module's classes by reference; its workers cannot import it."""
+    from ray import cloudpickle
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    yield
+    cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
+    _stop_all_hosts()
+
+
+def _stop_all_hosts():
+    import ray
+
+    for name in warm._hosts():
+        try:
+            ray.kill(ray.get_actor(name, namespace=warm.NAMESPACE))
+        except ValueError:
+            pass
+    deadline = time.monotonic() + 30
+    while warm._hosts() and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+
+def _stage(name="a", **kw) -> EngineStage:
+    return EngineStage(FakeEngine(name, **kw), max_pending_requests=8)
+
+
+def _key(stage) -> str:
+    return warm.warm_key(stage, {})
+
+
+def _run(coro):
+    return asyncio.run(coro)
+
+
+async def _answer(stage_name="a", rows=3, keep_warm_s=60.0, **kw):
+    """A replica's engine stage end to end: lease, rows, release; returns the answers."""
+    proxy = warm.WarmEngineStage(_stage(stage_name, **kw), keep_warm_s)
+    proxy.prepare()
+    proxy.begin()
+    await proxy.start()
+    out = []
+    async for chunk in proxy([{"prompt": f"p{i}"} for i in range(rows)]):
+        out.extend(chunk)
+    await proxy.close()
+    return out
+
+
+def test_a_second_run_leases_the_warm_engine_of_the_first():
+    first = _run(_answer())
+    second = _run(_answer())
+    assert sorted(r["generated_text"].split(":")[2] for r in first) == ["p0", "p1", "p2"]
+    pid1, starts1 = first[0]["generated_text"].split(":")[:2]
+    pid2, starts2 = second[0]["generated_text"].split(":")[:2]
+    assert (pid1, starts1) == (pid2, starts2) == (pid1, "1"), "the same host's engine, started once"
+    assert all(r[STATS]["replica"].endswith(f":{pid1}") for r in first + second)
+    assert len(warm._hosts()) == 1
+
+
+def test_other_settings_get_their_own_host_and_an_idle_one_makes_room():
+    _run(_answer("a"))
+    _run(_answer("b"))
+    assert len(set(warm._hosts().values())) == 2  # one idle host of other settings is kept
+    _run(_answer("c"))  # "a" was idle longest: it stops to make room
+    deadline = time.monotonic() + 30
+    while len(warm._hosts()) > 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    keys = set(warm._hosts().values())
+    assert keys == {_key(_stage("b")), _key(_stage("c"))}, keys
+
+
+def test_an_idle_host_stops_after_keep_warm_s():
+    _run(_answer(keep_warm_s=1.0))
+    assert warm._hosts()
+    deadline = time.monotonic() + 30
+    while warm._hosts() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not warm._hosts(), "the host should stop once idle for keep_warm_s"
+
+
+def test_a_host_whose_lessee_died_is_handed_to_the_next_run():
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class Lessee:
+        def lease(self):
+            async def go():
+                stage = _stage()
+                self.host, self.token = await warm.lease(stage, _key(stage), 60.0, {})
+            asyncio.run(go())
+            return True
+
+    holder = Lessee.remote()
+    assert ray.get(holder.lease.remote())
+    ray.kill(holder)  # a killed driver's replica: it never gives the host back
+    start = time.monotonic()
+    out = _run(_answer())
+    assert len(out) == 3 and len(warm._hosts()) == 1, "the dead lessee's host, not a new one"
+    assert time.monotonic() - start < warm.HANDOVER_WAIT_S + 20
+
+
+def test_a_live_lessee_keeps_its_host_and_the_next_run_gets_another():
+    async def both():
+        stage = _stage()
+        host, token = await warm.lease(stage, _key(stage), 60.0, {})
+        try:
+            return await _answer()
+        finally:
+            await host.release.remote(token)
+
+    out = _run(both())
+    assert len(out) == 3 and len(warm._hosts()) == 2
+
+
+def test_an_engine_that_cannot_start_fails_the_lease_with_its_reason_and_its_host_stops():
+    with pytest.raises(EngineStartError, match="told to fail"):
+        _run(_answer(fail_start=True))
+    deadline = time.monotonic() + 30
+    while warm._hosts() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not warm._hosts()
+
+
+def test_rows_of_a_host_that_died_mid_run_go_to_a_new_host():
+    import ray
+
+    async def go():
+        proxy = warm.WarmEngineStage(_stage(delay_s=0.5), 60.0)
+        proxy.prepare()
+        proxy.begin()
+        await proxy.start()
+        first_host = proxy.host
+        out = []
+        killed = False
+        async for chunk in proxy([{"prompt": f"p{i}"} for i in range(40)]):
+            out.extend(chunk)
+            if not killed:
+                ray.kill(first_host)
+                killed = True
+        await proxy.close()
+        return out
+
+    out = _run(go())
+    assert sorted(r["generated_text"].split(":")[2] for r in out) == sorted(f"p{i}" for i in range(40))
+    assert len({r["generated_text"].split(":")[0] for r in out}) == 2, "rows from the first host and the new one"
+
+
+def test_the_host_name_is_made_of_the_settings_digest():
+    stage = _stage("z")
+    assert _key(stage) == warm.warm_key(_stage("z"), {}) != warm.warm_key(_stage("y"), {})
+    assert warm.warm_key(stage, {"num_gpus": 1}) != _key(stage)
+    assert len(_key(stage)) == 16
