@@ -220,12 +220,16 @@ class Processor:
         _check_input_columns(dataset)
         ops = self.operators(cluster)
         if isinstance(lay.engine, WarmEngineStage):
-            # the warm host holds the replica's devices, the replica only its CPU stages
-            engine_op = next(op for op in ops if lay.engine in op.stages)
-            lay.engine.host_resources = {k: engine_op.remote_args.pop(k) for k in ("num_gpus", "accelerator_type")
-                                         if k in engine_op.remote_args}
+            # the warm host runs the replica's fused stages and holds its devices; the replica
+            # reads its batches and shapes its output
+            warm = lay.engine
+            engine_op = next(op for op in ops if warm in op.stages)
+            warm.chain = [warm.local if s is warm else s for s in engine_op.stages]
+            engine_op.stages = [warm]
+            warm.host_resources = {k: engine_op.remote_args.pop(k) for k in ("num_gpus", "accelerator_type")
+                                   if k in engine_op.remote_args}
             if lay.runtime_env:
-                lay.engine.host_resources["runtime_env"] = lay.runtime_env
+                warm.host_resources["runtime_env"] = lay.runtime_env
         for stage in self.stages:
             stage.prepare()
         ds = ray.data.Dataset.copy(dataset, _deep_copy=True)

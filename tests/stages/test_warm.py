@@ -144,7 +144,7 @@ def test_a_host_whose_lessee_died_is_handed_to_the_next_run():
         def lease(self):
             async def go():
                 stage = _stage()
-                self.host, self.token = await warm.lease(stage, _key(stage), 60.0, {})
+                self.host, self.token = await warm.lease([stage], _key(stage), 60.0, {})
             asyncio.run(go())
             return True
 
@@ -160,7 +160,7 @@ def test_a_host_whose_lessee_died_is_handed_to_the_next_run():
 def test_a_live_lessee_keeps_its_host_and_the_next_run_gets_another():
     async def both():
         stage = _stage()
-        host, token = await warm.lease(stage, _key(stage), 60.0, {})
+        host, token = await warm.lease([stage], _key(stage), 60.0, {})
         try:
             return await _answer()
         finally:

@@ -129,8 +129,11 @@ class Stage:
         side. A replica without an engine (CPU workers) does not call it."""
 
     async def start(self) -> None:
-        """Acquire state that must exist before the first batch (the engine overrides this to
-        start the model server, so that a model that cannot load fails the replica at once)."""
+        """Acquire state that must exist before the first batch: by default :meth:`setup`
+        (tokenizers load while the replica's engine starts, not after it, before the first
+        batch). The engine overrides this to start the model server, so that a model that
+        cannot load fails the replica at once."""
+        self.ensure_setup()
 
     def ensure_setup(self) -> None:
         if not self._ready:

@@ -17,6 +17,9 @@ class DetokenizeStage(Stage):
         self.trust_remote_code = trust_remote_code
         self.tokenizer = None
 
+    def setup(self) -> None:
+        self.tokenizer = load_tokenizer(self.model_source, self.trust_remote_code)
+
     def process_batch(self, rows: list[Row]) -> None:
         todo = [r for r in rows if r.get("generated_tokens") and not r.get("generated_text")]
         if not todo:

@@ -90,6 +90,10 @@ class StageRunner:
                  keep_private: tuple[str, ...] = (), run_id: str | None = None, role: str = "",
                  peers: int = 1, peer_wait_s: float = 300.0):
         self.stages = stages
+        # the user's postprocess shapes the output rows (also where a warm host runs it: the
+        # chain of llmbatch.stages.warm)
+        self._postprocess = any(isinstance(inner, PostprocessStage) for s in stages
+                                for inner in getattr(s, "chain", [s]))
         for position, stage in enumerate(stages):
             stage.position = position
         self.sink = sink
@@ -147,7 +151,7 @@ class StageRunner:
                 out.setdefault(key, value)
             out.update(private)
             return out
-        if any(isinstance(s, PostprocessStage) for s in self.stages):
+        if self._postprocess:
             out = {k: v for k, v in row.items() if not k.startswith(PRIVATE_PREFIX)}
             # a job's driver (encoded output) reads every row's error column: the row's state
             if not self.continue_on_error and not self.encoded_output:

@@ -10,9 +10,11 @@ stage and gives it back when the run ends; the host keeps its engine loaded for 
 idle seconds, and the next run with the same settings on the same Ray cluster leases it
 instead of starting an engine.
 
-- The replica keeps its CPU stages (preprocess, chat template, tokenize, detokenize,
-  postprocess); the host runs the engine stage: a fresh :class:`EngineStage` per lease (the
-  run's own settings and dedup cache) around the host's engine.
+- The host runs the replica's whole chain of fused stages (preprocess, chat template,
+  tokenize, the engine stage, detokenize, postprocess): the run's own stage objects, shipped
+  with each lease (its functions, settings and dedup cache), the engine stage adopting the
+  host's engine. The tokenizers they load stay loaded in the host too; the replica only reads
+  its input and shapes its output.
 - One lease at a time per host. A host whose lessee died (a killed driver, a replica Ray took
   away) is handed to the next run; a run that finds every matching host busy starts one more.
 - A host whose engine dies restarts it (the engine stage's own restart); a host that dies is
@@ -41,6 +43,7 @@ from llmbatch.errors import EngineStartError
 from llmbatch.rows import PRIVATE_PREFIX, STATS, Row
 from llmbatch.stages.base import Stage
 from llmbatch.stages.engine import EngineStage, _process_start
+from llmbatch.stages.runner import run_stages
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +92,7 @@ class EngineHost:
         self._start_began = 0.0
         self.token: str | None = None
         self.lessee: Any = None
-        self.stage: EngineStage | None = None
+        self.chain: list[Stage] | None = None
         self._tasks: set[asyncio.Task] = set()
         self.idle_since = time.time()
         self.leases = 0
@@ -98,10 +101,11 @@ class EngineHost:
 
     # -- leases ------------------------------------------------------------------------------
 
-    async def lease(self, token: str, stage: EngineStage, lessee: Any, keep_warm_s: float) -> dict[str, Any]:
-        """Lease this host to a run's replica: ``stage`` (the run's engine stage) runs on this
-        host's engine, started now if it is not yet. Returns ``{"ok": bool, ...}``; raises the
-        engine's :class:`EngineStartError` where it cannot start."""
+    async def lease(self, token: str, chain: list[Stage], lessee: Any, keep_warm_s: float) -> dict[str, Any]:
+        """Lease this host to a run's replica: ``chain`` (the run's stages, one of them its
+        engine stage) runs here, the engine stage on this host's engine, started now if it is
+        not yet. Returns ``{"ok": bool, ...}``; raises the engine's :class:`EngineStartError`
+        where it cannot start."""
         if self._watcher is None:
             self._watcher = asyncio.ensure_future(self._watch())
         if self._closing:
@@ -118,11 +122,16 @@ class EngineHost:
         self.token, self.lessee, self.keep_warm_s = token, lessee, keep_warm_s
         leased_at = time.time()
         warm = self.engine is not None
+        stage = next(s for s in chain if isinstance(s, EngineStage))
+        for position, other in enumerate(chain):
+            other.position = position
         if self._starting is None:
             self._start_began = leased_at
             self._starting = asyncio.ensure_future(self._start(stage.engine))
         try:
-            await asyncio.shield(self._starting)
+            # the other stages load what they need (tokenizers: once per host) beside the engine
+            others = [s for s in chain if s is not stage]
+            await asyncio.gather(asyncio.shield(self._starting), asyncio.to_thread(_start_stages, others))
         except BaseException:
             if self.token == token:
                 self._release()
@@ -130,7 +139,7 @@ class EngineHost:
         if self.token != token:  # given away while the engine started (this lessee looked dead)
             return {"ok": False, "why": "leased"}
         stage.adopt(self.engine, start_at=leased_at if warm else self._start_began)
-        self.stage = stage
+        self.chain = chain
         self.leases += 1
         return {"ok": True, "warm": warm, "leases": self.leases, "where": f"{os.uname().nodename}:{os.getpid()}"}
 
@@ -149,7 +158,7 @@ class EngineHost:
             self._release()
 
     def _release(self) -> None:
-        self.token, self.lessee, self.stage = None, None, None
+        self.token, self.lessee, self.chain = None, None, None
         for task in list(self._tasks):
             task.cancel()
         self.idle_since = time.time()
@@ -172,14 +181,14 @@ class EngineHost:
     # -- rows --------------------------------------------------------------------------------
 
     async def run(self, token: str, rows: list[Row]) -> AsyncIterator[list[Row]]:
-        """The lease's engine stage over ``rows``, streamed back as rows finish."""
-        if token != self.token or self.stage is None:
+        """The lease's stages over ``rows``, streamed back as rows finish."""
+        if token != self.token or self.chain is None:
             raise LeaseLost("this engine host was handed to another run")
         task = asyncio.current_task()
         if task is not None:
             self._tasks.add(task)
         try:
-            async for chunk in self.stage(rows):
+            async for chunk in run_stages(self.chain, rows):
                 yield chunk
         finally:
             if task is not None:
@@ -238,6 +247,13 @@ class EngineHost:
                 await self._close()
 
 
+def _start_stages(stages: list[Stage]) -> None:
+    """Start the chain's CPU stages one by one (on a thread of the host's)."""
+    for stage in stages:
+        stage.begin()
+        asyncio.run(stage.start())
+
+
 def _host_class():
     import ray
 
@@ -289,8 +305,9 @@ async def _stop_idle_others(key: str, keep: int) -> None:
             continue
 
 
-async def lease(stage: EngineStage, key: str, keep_warm_s: float, host_resources: dict[str, Any]) -> tuple[Any, str]:
-    """Lease a host for ``stage`` (one with ``key`` that is free, else a new one); returns the
+async def lease(chain: list[Stage], key: str, keep_warm_s: float,
+                host_resources: dict[str, Any]) -> tuple[Any, str]:
+    """Lease a host for ``chain`` (one with ``key`` that is free, else a new one); returns the
     host's handle and the lease's token."""
     import ray
     from ray.exceptions import RayActorError, RayTaskError
@@ -319,7 +336,7 @@ async def lease(stage: EngineStage, key: str, keep_warm_s: float, host_resources
                 continue
         tried.add(name)
         try:
-            answer = await handle.lease.remote(token, stage, me, keep_warm_s)
+            answer = await handle.lease.remote(token, chain, me, keep_warm_s)
         except RayActorError:
             continue  # the host died (or is stopping): the next one
         except RayTaskError as exc:
@@ -343,16 +360,20 @@ def _host_lost(exc: BaseException) -> bool:
 
 
 class WarmEngineStage(Stage):
-    """The engine stage of a replica whose engine lives in a warm host (module docstring)."""
+    """A replica's stages, run in a warm engine host (module docstring): in the replica, one
+    stage that sends the rows of its batches to the host and streams back what the host's
+    chain (:attr:`chain`) makes of them."""
 
-    name = "engine"
+    name = "warm"
     starts_engine = True
 
     def __init__(self, stage: EngineStage, keep_warm_s: float):
         super().__init__()
         self.local = stage
+        #: the stages the host runs: the replica's fused chain with this engine stage in it
+        #: (the processor sets it; alone, the engine stage)
+        self.chain: list[Stage] = [stage]
         self.keep_warm_s = keep_warm_s
-        self.required_any = stage.required_any
         #: what the host holds: the replica's devices (the processor sets them when it runs)
         self.host_resources: dict[str, Any] = {}
         self.key = ""
@@ -377,7 +398,7 @@ class WarmEngineStage(Stage):
         self._ready = True
 
     async def _lease(self) -> None:
-        self.host, self.token = await lease(self.local, self.key or warm_key(self.local, self.host_resources),
+        self.host, self.token = await lease(self.chain, self.key or warm_key(self.local, self.host_resources),
                                             self.keep_warm_s, self.host_resources)
 
     async def close(self) -> None:
