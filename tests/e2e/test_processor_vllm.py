@@ -212,3 +212,37 @@ def test_accelerator_type_that_no_node_has_fails_fast(ray_cluster):
     processor = build_processor(config, preprocess=lambda r: dict(prompt="x"))
     with pytest.raises(ResourceError, match="H100"):
         processor(ray.data.from_items([{"a": 1}]))
+
+
+def test_a_second_run_adopts_the_warm_engine_of_the_first(ray_cluster, smollm2):
+    """keep_warm_s (LLMBATCH_KEEP_WARM_S in the suite): a run after another with the same
+    engine settings leases that run's engine (llmbatch.stages.warm) instead of starting one,
+    and answers as it did."""
+    import os
+    import time
+
+    import ray
+
+    began = time.time()
+
+    def once(words):
+        config = vLLMEngineProcessorConfig(model_source="smollm2-135m-instruct", engine_kwargs=ENGINE, batch_size=4,
+                                           keep_warm_s=600)
+        processor = build_processor(
+            config, preprocess=lambda row: dict(prompt=f"A {row['w']} is a kind of",
+                                                sampling_params=dict(temperature=0, max_tokens=4)),
+            keep_private=(STATS,))
+        return processor(ray.data.from_items([{"w": w} for w in words])).take_all()
+
+    first = once(["apple", "oak", "salmon"])
+    second = once(["oak", "granite", "apple"])
+    answers = {}
+    for row in first + second:
+        assert row["__inference_error__"] == "", row["__inference_error__"]
+        assert answers.setdefault(row["w"], row["generated_text"]) == row["generated_text"], row["w"]
+    assert len({r[STATS]["replica"] for r in first + second}) == 1, "one engine host served both runs"
+    facts = second[0][STATS]
+    assert facts["ready_at"] - facts["start_at"] < 5, "the second run started no engine"
+    ledger = [json.loads(line) for line in open(os.environ["LLMBATCH_START_LOG"])]
+    starts = [e for e in ledger if e["kind"] == "vllm-engine" and e["t0"] >= began]
+    assert len(starts) <= 1, starts  # the first run's engine (none where an earlier test's was warm)

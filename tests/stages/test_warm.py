@@ -157,17 +157,46 @@ def test_a_host_whose_lessee_died_is_handed_to_the_next_run():
     assert time.monotonic() - start < warm.HANDOVER_WAIT_S + 20
 
 
-def test_a_live_lessee_keeps_its_host_and_the_next_run_gets_another():
+def test_a_lessee_that_idles_loses_its_host_to_the_next_run_and_leases_again():
     async def both():
-        stage = _stage()
-        host, token = await warm.lease([stage], _key(stage), 60.0, {})
+        idle = warm.WarmEngineStage(_stage(), 60.0)
+        idle.prepare()
+        idle.begin()
+        await idle.start()
+        await asyncio.sleep(warm.TAKEOVER_IDLE_S + 1)
+        other = await _answer()  # the idle lessee's host, handed over
+        again = []
+        async for chunk in idle([{"prompt": "later"}]):  # LeaseLost: it leases a host again
+            again.extend(chunk)
+        await idle.close()
+        return other, again
+
+    other, again = _run(both())
+    assert len(other) == 3 and again[0]["generated_text"].endswith(":later")
+    assert len(warm._hosts()) == 1, "one host served both"
+
+
+def test_a_host_busy_with_a_batch_is_kept_and_the_next_run_gets_another():
+    async def both():
+        busy = warm.WarmEngineStage(_stage(delay_s=60.0), 60.0)
+        busy.prepare()
+        busy.begin()
+        await busy.start()
+
+        async def drain():
+            async for _ in busy([{"prompt": "slow"}]):
+                pass
+
+        running = asyncio.ensure_future(drain())
+        await asyncio.sleep(1.0)
         try:
             return await _answer()
         finally:
-            await host.release.remote(token)
+            running.cancel()
+            await busy.close()
 
     out = _run(both())
-    assert len(out) == 3 and len(warm._hosts()) == 2
+    assert len(out) == 3 and len(warm._hosts()) == 2, "the busy host kept, another one for the next run"
 
 
 def test_an_engine_that_cannot_start_fails_the_lease_with_its_reason_and_its_host_stops():

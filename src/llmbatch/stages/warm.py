@@ -16,7 +16,10 @@ instead of starting an engine.
   host's engine. The tokenizers they load stay loaded in the host too; the replica only reads
   its input and shapes its output.
 - One lease at a time per host. A host whose lessee died (a killed driver, a replica Ray took
-  away) is handed to the next run; a run that finds every matching host busy starts one more.
+  away) or has sent it no batch for :data:`TAKEOVER_IDLE_S` (the last run's replica, which Ray
+  Data ends a moment after its last batch) is handed to the next run; a run that finds every
+  matching host busy starts one more. A replica whose host was handed away while it idled
+  leases another for its next batch.
 - A host whose engine dies restarts it (the engine stage's own restart); a host that dies is
   replaced, and the rows it had not answered go to the new one.
 - Before a new host starts, idle hosts of other settings stop (on a GPU all of them: a host
@@ -52,9 +55,11 @@ NAMESPACE = "llmbatch-warm"
 PREFIX = "llmbatch-warm"
 #: The default of ``keep_warm_s`` (seconds), where the config leaves it unset.
 KEEP_WARM_ENV = "LLMBATCH_KEEP_WARM_S"
-#: How long a lease waits for a host whose lessee is alive to be given back (the last run's
-#: replica goes away a moment after its last batch) before it looks for another host.
+#: How long a lease waits for a busy host (a batch in it, or one a moment ago) before it looks
+#: for another host.
 HANDOVER_WAIT_S = 10.0
+#: A host whose lessee sent it no batch for this long goes to the next run that asks for it.
+TAKEOVER_IDLE_S = 3.0
 #: How often a host looks at its lessee (alive?) and at its idle time.
 WATCH_EVERY_S = 2.0
 #: Leases a replica takes before its run fails (a host that died mid-run, a lease lost).
@@ -95,6 +100,7 @@ class EngineHost:
         self.chain: list[Stage] | None = None
         self._tasks: set[asyncio.Task] = set()
         self.idle_since = time.time()
+        self.last_active = time.time()
         self.leases = 0
         self._closing = False
         self._watcher: asyncio.Task | None = None
@@ -113,7 +119,7 @@ class EngineHost:
         if self.token not in (None, token):
             deadline = time.monotonic() + HANDOVER_WAIT_S
             while self.token is not None:
-                if not await self._lessee_alive():
+                if self._idle_lessee() or not await self._lessee_alive():
                     self._release()
                     break
                 if time.monotonic() > deadline:
@@ -140,6 +146,7 @@ class EngineHost:
             return {"ok": False, "why": "leased"}
         stage.adopt(self.engine, start_at=leased_at if warm else self._start_began)
         self.chain = chain
+        self.last_active = time.time()
         self.leases += 1
         return {"ok": True, "warm": warm, "leases": self.leases, "where": f"{os.uname().nodename}:{os.getpid()}"}
 
@@ -162,6 +169,12 @@ class EngineHost:
         for task in list(self._tasks):
             task.cancel()
         self.idle_since = time.time()
+
+    def _idle_lessee(self) -> bool:
+        """The lessee has no batch here and sent none for :data:`TAKEOVER_IDLE_S` (an engine
+        that is still starting for it is busy)."""
+        starting = self._starting is not None and not self._starting.done()
+        return not starting and not self._tasks and time.time() - self.last_active > TAKEOVER_IDLE_S
 
     async def _lessee_alive(self) -> bool:
         """Whether the lessee (a replica actor) lives; one that does not answer in time, busy
@@ -193,7 +206,7 @@ class EngineHost:
         finally:
             if task is not None:
                 self._tasks.discard(task)
-            self.idle_since = time.time()
+            self.idle_since = self.last_active = time.time()
 
     # -- lifetime ----------------------------------------------------------------------------
 
