@@ -11,7 +11,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "llmbatch"
 #: Lowest first. A module may import its own layer (without a cycle) and the ones below.
 LAYERS = [
-    ["errors", "rows", "redact", "codec"],
+    ["errors", "rows", "redact", "codec", "startlog"],
     ["io", "models", "toy_models", "engines", "progress", "reaper", "sample_data", "sample_images", "sample_audio",
      "install_check", "cluster", "watchdog"],
     ["config", "stages"],

@@ -17,6 +17,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from llmbatch import startlog
 from llmbatch.demo import run_demo
 from llmbatch.errors import LLMBatchError, MissingDependencyError
 from llmbatch.jobs.plan import plan_job
@@ -323,8 +324,6 @@ def serve(
 
 
 def main() -> None:
-    from llmbatch import startlog
-
     # the whole CLI process, from its start (the start-up ledger: LLMBATCH_START_LOG)
     with startlog.timed("cli", command=" ".join(sys.argv[1:2])):
         try:

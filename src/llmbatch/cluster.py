@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 
+from llmbatch import startlog
 from llmbatch.errors import ResourceError
 
 logger = logging.getLogger(__name__)
@@ -27,8 +28,6 @@ def ensure_ray(**init_kwargs) -> None:
     if os.environ.get("RAY_ADDRESS"):
         kwargs.pop("num_cpus", None)
         kwargs.pop("num_gpus", None)
-    from llmbatch import startlog
-
     with startlog.timed("ray-init", joined=bool(os.environ.get("RAY_ADDRESS") or kwargs.get("address"))):
         ray.init(**kwargs)
 

@@ -25,6 +25,7 @@ from llmbatch.engines.sglang_params import engine_kwargs as sglang_engine_kwargs
 from llmbatch.errors import ConfigError, did_you_mean
 from llmbatch.models import check_model_source
 from llmbatch.redact import redact
+from llmbatch.stages.warm import keep_warm_default
 
 Concurrency = Union[int, tuple[int, int]]
 TaskType = Literal["generate", "embed", "classify", "score"]
@@ -358,8 +359,6 @@ class vLLMEngineProcessorConfig(OfflineProcessorConfig):
         """``keep_warm_s``, or its default from the environment (``LLMBATCH_KEEP_WARM_S``)."""
         if self.keep_warm_s is not None:
             return self.keep_warm_s
-        from llmbatch.stages.warm import keep_warm_default
-
         return keep_warm_default()
 
     def devices_per_replica(self) -> int:

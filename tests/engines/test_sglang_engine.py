@@ -232,6 +232,7 @@ class FakeSGLang:
 
 @pytest.fixture
 def fake_engine(monkeypatch):
+    monkeypatch.delenv("LLMBATCH_START_LOG", raising=False)  # a fake start: not one the suite counts
     monkeypatch.setattr(sg, "watch_children", lambda: True)
     monkeypatch.setattr(sg, "POLL_S", 0.05)
     engines = []

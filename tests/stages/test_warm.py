@@ -16,7 +16,7 @@ from llmbatch.engines.base import Request
 from llmbatch.errors import EngineStartError
 from llmbatch.rows import STATS
 from llmbatch.stages.engine import EngineStage
-from llmbatch.stages import warm
+from llmbatch.stages import engine_host, warm
 
 
 class FakeEngine:
@@ -154,7 +154,7 @@ def test_a_host_whose_lessee_died_is_handed_to_the_next_run():
     start = time.monotonic()
     out = _run(_answer())
     assert len(out) == 3 and len(warm._hosts()) == 1, "the dead lessee's host, not a new one"
-    assert time.monotonic() - start < warm.HANDOVER_WAIT_S + 20
+    assert time.monotonic() - start < engine_host.HANDOVER_WAIT_S + 20
 
 
 def test_a_lessee_that_idles_loses_its_host_to_the_next_run_and_leases_again():
@@ -163,7 +163,7 @@ def test_a_lessee_that_idles_loses_its_host_to_the_next_run_and_leases_again():
         idle.prepare()
         idle.begin()
         await idle.start()
-        await asyncio.sleep(warm.TAKEOVER_IDLE_S + 1)
+        await asyncio.sleep(engine_host.TAKEOVER_IDLE_S + 1)
         other = await _answer()  # the idle lessee's host, handed over
         again = []
         async for chunk in idle([{"prompt": "later"}]):  # LeaseLost: it leases a host again

@@ -147,8 +147,7 @@ class SGLangEngine:
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def start(self) -> None:
-        if self.log is None:
-            self.log = EngineLog()
+        self.log = self.log or EngineLog()
         watch_children()  # the engine's processes never outlive this replica
         with startlog.timed("sglang-engine", model=self.model_source), self.log.capture():
             self._start()

@@ -84,7 +84,8 @@ class VLLMEngine:
 
     async def start(self) -> None:
         self.begin()
-        with startlog.timed("vllm-engine", model=self.model_source, task=self.task_type), self.log.capture():
+        with startlog.timed("vllm-engine", model=self.model_source, task=self.task_type,
+                            engine_kwargs=self.engine_kwargs), self.log.capture():
             await self._start()
         self.log.take_loggers()
 

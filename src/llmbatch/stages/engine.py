@@ -89,7 +89,7 @@ class EngineStage(Stage):
             prepare()
 
     def begin(self) -> None:
-        self.process_start_at = _process_start()
+        self.process_start_at = process_start()
         self.begin_at = time.time()
         begin = getattr(self.engine, "begin", None)
         if begin is not None:
@@ -333,7 +333,7 @@ def _sortable(key: Any) -> tuple:
     return (1, (), key or "")
 
 
-def _process_start() -> float:
+def process_start() -> float:
     """This process's start time (epoch seconds), 0.0 where the OS does not say."""
     try:
         import psutil
