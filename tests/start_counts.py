@@ -20,7 +20,9 @@ import tempfile
 from collections import defaultdict
 from pathlib import Path
 
+#: set it to keep the ledger files after the session (else a folder of its own, removed at the end)
 START_DIR_ENV = "LLMBATCH_TEST_START_DIR"
+OWN_PREFIX = "lbt-starts-"
 ENGINE_KINDS = ("vllm-engine", "sglang-engine", "vllm-reference", "vllm-serve")
 BETWEEN = "(between tests)"
 
@@ -30,7 +32,7 @@ def log_here() -> None:
     the first pytest process, and inherited by the workers it starts)."""
     folder = os.environ.get(START_DIR_ENV)
     if not folder:
-        folder = tempfile.mkdtemp(prefix="lbt-starts-", dir="/tmp")
+        folder = tempfile.mkdtemp(prefix=OWN_PREFIX, dir="/tmp")
         os.environ[START_DIR_ENV] = folder
     worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
     os.environ["LLMBATCH_START_LOG"] = str(Path(folder) / f"{worker}.jsonl")
@@ -69,7 +71,8 @@ def count_starts(folder: Path, phases, file_seconds: dict[str, float]) -> dict[s
                 row["ray"] += 1
             elif kind == "cli":
                 row["cli"] += 1
-    shutil.rmtree(folder, ignore_errors=True)
+    if folder.name.startswith(OWN_PREFIX):  # ours: a folder named by the one who ran pytest stays
+        shutil.rmtree(folder, ignore_errors=True)
     return table
 
 
