@@ -21,6 +21,7 @@ from pathlib import Path
 import psutil
 import pyarrow.parquet as pq
 import pytest
+from inproc import llmbatch
 from own_cluster import engines
 from waiting import committed, wait_for
 
@@ -167,9 +168,9 @@ def build_dataset(path: Path, tokenizer) -> dict[str, str]:
     return kinds
 
 
-def run_cli(*args, timeout=900) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "llmbatch", *args], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1"}, timeout=timeout)
+def run_cli(*args) -> subprocess.CompletedProcess:
+    """The CLI in this process (tests/e2e/inproc.py): what these jobs do, not their process."""
+    return llmbatch(*args)
 
 
 @pytest.fixture(scope="module")
@@ -225,7 +226,7 @@ def test_every_bad_row_is_an_error_row_with_stage_and_type(bad_job):
 
 def test_status_counts_errors_by_type(bad_job):
     _, job_dir, kinds = bad_job
-    proc = run_cli("status", str(job_dir), "--json", timeout=120)
+    proc = run_cli("status", str(job_dir), "--json")
     info = json.loads(proc.stdout)
     assert info["state"] == "finished"
     assert info["rows_error"] == len(BAD) and info["rows_ok"] == 20
@@ -247,7 +248,7 @@ def test_retry_errors_with_a_longer_context_answers_those_rows(bad_job):
     # resuming with the original config is now refused: the job's answers came from the new one
     meta = json.loads((job_dir / "job.json").read_text())
     assert meta["config_history"] and "max_model_len" in meta["config_history"][-1]["changes"][0]
-    refused = run_cli("run", str(tmp / "job.yaml"), "--quiet", timeout=300)
+    refused = run_cli("run", str(tmp / "job.yaml"), "--quiet")
     assert refused.returncode == 2 and "different config" in refused.stderr, refused.stderr[-2000:]
     assert "max_model_len: 2048 -> 256" in " ".join(refused.stderr.split())
 
@@ -257,7 +258,7 @@ def test_engine_that_cannot_start_fails_fast_with_its_reason(ray_cluster, smollm
     start = time.monotonic()
     proc = run_cli("run", "--input", str(tmp_path / "in.jsonl"), "--model", "smollm2-135m-instruct",
                    "--prompt", "{q}", "--output", str(tmp_path / "o.parquet"), "--quiet",
-                   "--set", "model.engine_kwargs.max_model_len=100000", timeout=600)
+                   "--set", "model.engine_kwargs.max_model_len=100000")
     assert proc.returncode == 2, proc.stdout + proc.stderr
     final = proc.stderr[proc.stderr.rindex("error:"):]
     assert "could not start" in final and "max_model_len (100000) is greater than" in " ".join(final.split()), final

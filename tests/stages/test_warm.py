@@ -57,9 +57,12 @@ class FakeEngine:
 
 @pytest.fixture(autouse=True)
 def by_value(ray_cluster):
-    """Ray pickles this module's classes by reference; its workers cannot import it."""
+    """Ray pickles this module's classes by reference; its workers cannot import it. Each test
+    starts and ends with no host on the worker's cluster (an earlier test file's warm engines
+    stop: they start again when next needed)."""
     from ray import cloudpickle
 
+    _stop_all_hosts()
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
     yield
     cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
