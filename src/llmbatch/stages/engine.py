@@ -20,11 +20,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import json
 import logging
 import math
 import os
-import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -34,6 +32,8 @@ from llmbatch.engines.base import Engine, Request
 from llmbatch.errors import EngineDiedError, EngineStartError, StructuredOutputError
 from llmbatch.rows import ERROR_COLUMN, STATS, Row, is_error
 from llmbatch.stages.base import Stage
+from llmbatch.stages.check_output import check_structured
+from llmbatch.stages.turns import Turns
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +72,7 @@ class EngineStage(Stage):
         self.ready_at = 0.0
         self.first_request_at = 0.0  # when this replica handed its engine its first request
         self._semaphore: asyncio.Semaphore | None = None
+        self._turns: Turns | None = None
         self._inflight: dict[Any, asyncio.Future] = {}
         self._results: collections.OrderedDict[Any, tuple[dict[str, Any], int]] = collections.OrderedDict()
         self._results_bytes = 0
@@ -115,6 +116,8 @@ class EngineStage(Stage):
         if limit is None:
             limit = math.ceil(self.engine.capacity * 1.1)
         self._semaphore = asyncio.Semaphore(limit) if limit > 0 else None
+        # groups of rows that must not share an engine step take turns (stages/turns.py)
+        self._turns = Turns() if getattr(self.engine, "base_rows_apart", False) else None
         self._restart_lock = asyncio.Lock()
         self._ready = True
         self.ready_at = time.time()
@@ -137,6 +140,15 @@ class EngineStage(Stage):
             self._generation += 1
 
     async def _run_once(self, request: Request) -> dict[str, Any]:
+        if self._turns is None:
+            return await self._admitted(request)
+        await self._turns.enter("adapter" if request.lora is not None else "base")
+        try:
+            return await self._admitted(request)
+        finally:
+            self._turns.leave()
+
+    async def _admitted(self, request: Request) -> dict[str, Any]:
         if self._semaphore is None:
             return await self._counted(request)
         async with self._semaphore:
@@ -287,43 +299,6 @@ def result_size(result: dict[str, Any]) -> int:
             if value and isinstance(value[0], (list, dict)):
                 size += 120 * sum(len(v) if isinstance(v, (list, dict)) else 1 for v in value)
     return size
-
-
-def check_structured(spec: dict[str, Any], text: str, finish_reason: str) -> None:
-    """Raise :class:`StructuredOutputError` when ``text`` does not satisfy ``spec``.
-
-    An answer that satisfies its spec is fine even when the end-of-sequence token did not fit
-    in ``max_tokens``; one that does not and was cut by ``max_tokens`` says so."""
-    try:
-        _check_structured(spec, text)
-    except StructuredOutputError as exc:
-        if finish_reason == "length":
-            raise StructuredOutputError(
-                f"generation stopped at max_tokens before the structured output was complete ({exc}); "
-                "raise max_tokens") from exc
-        raise
-
-
-def _check_structured(spec: dict[str, Any], text: str) -> None:
-    if "choice" in spec:
-        if text not in spec["choice"]:
-            raise StructuredOutputError(f"the answer {text[:80]!r} is not one of the choices")
-    elif "regex" in spec:
-        if re.fullmatch(spec["regex"], text) is None:
-            raise StructuredOutputError(f"the answer {text[:80]!r} does not match the regex")
-    elif "json" in spec or "json_object" in spec:
-        try:
-            value = json.loads(text)
-        except ValueError as exc:
-            raise StructuredOutputError(f"the answer is not valid JSON ({exc})") from exc
-        schema = spec.get("json")
-        if isinstance(schema, dict):
-            import jsonschema
-
-            try:
-                jsonschema.validate(value, schema)
-            except jsonschema.ValidationError as exc:
-                raise StructuredOutputError(f"the answer does not match the JSON schema: {exc.message}") from exc
 
 
 def _sortable(key: Any) -> tuple:
