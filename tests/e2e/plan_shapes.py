@@ -1,9 +1,12 @@
 """The dataset plans users write in front of a processor, run on the real engine.
 
 Run as a script (``python tests/e2e/plan_shapes.py --cpus 1 --out result.json``): it starts
-its own Ray with that many CPUs, runs every shape in :data:`SHAPES` through one
-``vLLMEngineProcessorConfig`` processor and records, per shape, the ids that came out, the
-seconds it took and any error. ``test_plan_shapes.py`` runs it under 1 and 2 CPUs and checks
+its own Ray with that many CPUs (with ``--join``, it joins ``RAY_ADDRESS`` instead where that
+cluster has exactly that many CPUs: the test worker's own), runs every shape in :data:`SHAPES`
+through one ``vLLMEngineProcessorConfig`` processor and records, per shape, the ids that came
+out, the seconds it took and any error. The shapes share one warm engine
+(``LLMBATCH_KEEP_WARM_S`` in the suite): each replica of each shape is a Ray Data actor of its
+plan as always, and leases the engine host. ``test_plan_shapes.py`` runs it under 1 and 2 CPUs and checks
 that every row came out exactly once and nothing hung.
 """
 
@@ -20,7 +23,7 @@ import traceback
 from pathlib import Path
 
 ROWS = 24          # rows per input (a few per batch, several batches)
-ENGINE = dict(max_model_len=256, max_num_seqs=16, kv_cache_memory_bytes=256 << 20)
+ENGINE = dict(max_model_len=512)  # the suite's usual settings: a warm engine of them may be there
 RUN_BOUND_S = 600  # stall timeout of the shapes that must run
 
 
@@ -150,6 +153,8 @@ def main() -> int:
     parser.add_argument("--stall-timeout", type=float, default=60.0, help="for the shapes named by --expect-stall")
     parser.add_argument("--expect-stall", nargs="*", default=[], help="shapes that cannot run on this many CPUs")
     parser.add_argument("--only", nargs="*")
+    parser.add_argument("--join", action="store_true",
+                        help="join RAY_ADDRESS where that cluster has exactly --cpus CPUs")
     args = parser.parse_args()
 
     import ray
@@ -157,12 +162,18 @@ def main() -> int:
 
     from llmbatch import build_processor, vLLMEngineProcessorConfig
 
-    os.environ.pop("RAY_ADDRESS", None)
     from llmbatch import startlog
 
-    with startlog.timed("ray-cluster", cpus=args.cpus):
-        ray.init(num_cpus=args.cpus, include_dashboard=False, logging_level="ERROR",
-                 log_to_driver=bool(os.environ.get("SHAPES_VERBOSE")))
+    address = os.environ.pop("RAY_ADDRESS", None)
+    if args.join and address:
+        ray.init(address=address, logging_level="ERROR", log_to_driver=bool(os.environ.get("SHAPES_VERBOSE")))
+        if ray.cluster_resources().get("CPU") != args.cpus:
+            ray.shutdown()  # another size: a Ray of its own after all
+            address = None
+    if not (args.join and address):
+        with startlog.timed("ray-cluster", cpus=args.cpus):
+            ray.init(num_cpus=args.cpus, include_dashboard=False, logging_level="ERROR",
+                     log_to_driver=bool(os.environ.get("SHAPES_VERBOSE")))
     rd.DataContext.get_current().enable_progress_bars = False
     def processor(stall_timeout_s: float):
         config = vLLMEngineProcessorConfig(model_source="smollm2-135m-instruct", engine_kwargs=ENGINE, batch_size=4,

@@ -14,12 +14,12 @@ from inproc import llmbatch
 
 pytestmark = pytest.mark.e2e
 
-QUICK = ["--set", "model.engine_kwargs.max_model_len=256", "--set", "model.engine_kwargs.kv_cache_memory_bytes=268435456"]
+QUICK = ["--set", "model.engine_kwargs.max_model_len=512"]  # the suite's usual engine (a warm one)
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess:
+def run_cli(*args: str, settings: list[str] = QUICK) -> subprocess.CompletedProcess:
     """The CLI in this process (tests/e2e/inproc.py): what these jobs do, not their process."""
-    return llmbatch("run", *args, "--quiet", *QUICK)
+    return llmbatch("run", *args, "--quiet", *settings)
 
 
 def request(custom_id, url, **body):
@@ -45,7 +45,7 @@ def test_chat_and_completions_file_in_and_out(ray_cluster, smollm2, tmp_path):
                     "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}),
         request("text", "/v1/completions", prompt=["Once upon a", "The sky is"], max_tokens=3, temperature=0,
                 logprobs=1, stop=["\n"]),
-        request("too-long", "/v1/chat/completions", messages=[{"role": "user", "content": "word " * 300}],
+        request("too-long", "/v1/chat/completions", messages=[{"role": "user", "content": "word " * 600}],
                 max_tokens=4),
         request("bad", "/v1/chat/completions", messages=hi, tools=[{"type": "function"}]),
     ]
@@ -87,7 +87,8 @@ def test_embeddings_file_in_and_out(ray_cluster, minilm, tmp_path):
     (tmp_path / "embed.jsonl").write_text("\n".join(lines) + "\n")
     out = tmp_path / "vectors.jsonl"
     # no --model: the job runs the model the file names (an embedding model: task_type embed)
-    done = run_cli("--openai-batch", str(tmp_path / "embed.jsonl"), "--output", str(out))
+    done = run_cli("--openai-batch", str(tmp_path / "embed.jsonl"), "--output", str(out),
+                   settings=["--set", "model.engine_kwargs.max_model_len=256"])  # examples/embed.yaml's engine
     assert done.returncode == 0, done.stderr[-3000:]
     by_id = {a["custom_id"]: a["response"]["body"] for a in read_lines(out)}
     one = CreateEmbeddingResponse.model_validate(by_id["one"])

@@ -3,10 +3,11 @@
 ``plan_shapes.py`` runs each shape (read_csv/read_json/read_parquet/from_items/from_pandas
 with and without override_num_blocks, then limit, repartition, filter, map, map_batches,
 random_shuffle, union, then the processor, then materialize, take_all, iter_batches,
-iter_rows, write_parquet, show, and Ray Data checkpoints) on the real engine, in a Ray of its
-own with that many CPUs. The two runs go side by side; each shape must give every row once.
-Each shape starts an engine of its own (a minute or more on a 2-core machine), so each runs
-once: on 2 CPUs the shapes whose work Ray spreads over both (several read blocks with parallel
+iter_rows, write_parquet, show, and Ray Data checkpoints) on the real engine, in a Ray with
+that many CPUs (the 1-CPU run's own; the 2-CPU run joins the test worker's Ray, which has 2).
+The two runs go side by side; each shape must give every row once. The shapes of a run share
+one warm engine (each shape's replica is an actor of its plan and leases the engine host), so
+a shape costs seconds, not an engine start; each runs once: on 2 CPUs the shapes whose work Ray spreads over both (several read blocks with parallel
 writes, a shuffle, a union, the checkpoint filter's actor beside the engine), on 1 CPU, where
 the stages and the engine compete hardest for the core, all the others (several files, one
 block of everything, small blocks, a limit, a repartition after a limit, iter_rows and
@@ -53,7 +54,7 @@ def shapes_on(cpus: int) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def results(smollm2, tmp_path_factory):
+def results(ray_cluster, smollm2, tmp_path_factory):
     procs = {}
     # the two runs' engines compute on different cores where this test has two (vLLM on CPU
     # binds its compute threads to the first core by itself); tests/conftest.py may have
@@ -62,11 +63,13 @@ def results(smollm2, tmp_path_factory):
     for i, cpus in enumerate((2, 1)):
         work = tmp_path_factory.mktemp(f"shapes{cpus}")
         out = work / "result.json"
-        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        # the 2-CPU run joins the test worker's own Ray where it has 2 CPUs (one Ray less to start,
+        # and the worker's warm engine if it has one); the 1-CPU run starts a Ray of 1 CPU
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS" or cpus == 2}
         if "VLLM_CPU_OMP_THREADS_BIND" not in env and len(cores) >= 2:
             env["VLLM_CPU_OMP_THREADS_BIND"] = str(cores[i % len(cores)])
         cmd = [sys.executable, str(HERE / "plan_shapes.py"), "--cpus", str(cpus), "--out", str(out),
-               "--work", str(work), "--stall-timeout", str(STALL_S), "--only", *shapes_on(cpus)]
+               "--work", str(work), "--stall-timeout", str(STALL_S), "--join", "--only", *shapes_on(cpus)]
         if CANNOT_RUN.get(cpus):
             cmd += ["--expect-stall", *CANNOT_RUN[cpus]]
         procs[cpus] = (subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env), out)

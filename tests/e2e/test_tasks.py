@@ -170,7 +170,8 @@ def test_embed_job_from_the_cli_resumes_after_a_lost_part(ray_cluster, minilm, t
     write_jsonl(tmp_path / "docs.jsonl", [{"id": i, "text": t} for i, t in enumerate(TEXTS[:40])])
     args = ("run", "--task", "embed", "--input", str(tmp_path / "docs.jsonl"), "--id-column", "id",
             "--model", "all-minilm-l6-v2", "--text-column", "text", "--output", str(tmp_path / "emb.parquet"),
-            "--quiet", "--set", "model.batch_size=8", "--set", "commit_rows=8")
+            "--quiet", "--set", "model.batch_size=8", "--set", "commit_rows=8",
+            "--set", "model.engine_kwargs.max_model_len=256")  # examples/embed.yaml's engine
     first = cli(*args)
     assert first.returncode == 0, first.stderr[-3000:]
     table = pq.read_table(tmp_path / "emb.parquet")

@@ -165,3 +165,15 @@ def test_the_same_job_runs_against_an_endpoint_by_changing_the_model_section(job
     monkeypatch.delenv("LLMBATCH_TEST_KEY")
     with pytest.raises(ConfigError, match="LLMBATCH_TEST_KEY"):
         load_job(write_job(tmp_path, text))
+
+
+def test_a_job_imports_its_own_hooks_module_after_another_jobs_of_the_same_name(tmp_path):
+    from llmbatch.jobs.spec import load_function
+
+    for name, answer in (("one", "first"), ("two", "second")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "samename_hooks.py").write_text(f"def request(row):\n    return {answer!r}\n")
+    first = load_function("samename_hooks:request", [str(tmp_path / "one")])
+    second = load_function("samename_hooks:request", [str(tmp_path / "two")])
+    assert (first({}), second({})) == ("first", "second")
+    assert load_function("samename_hooks:request", [str(tmp_path / "two")])({}) == "second"

@@ -274,6 +274,7 @@ def load_function(ref: str, python_path: list[str] | None = None):
     added = [folder for folder in python_path or [] if folder not in sys.path]
     sys.path[:0] = added
     module_name, _, func_name = ref.partition(":")
+    _forget_other_jobs_module(module_name, python_path or [])
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
@@ -286,6 +287,24 @@ def load_function(ref: str, python_path: list[str] | None = None):
     if not callable(fn):
         raise ConfigError(f"{ref!r}: module {module_name!r} has no function {func_name!r}")
     return fn
+
+
+def _forget_other_jobs_module(module_name: str, folders: list[str]) -> None:
+    """Where this process imported a module of that name from elsewhere (another job's
+    ``hooks.py`` run earlier in a notebook or server), this job's own file is imported instead
+    of reusing it; the other job's functions keep their own module."""
+    top = module_name.split(".")[0]
+    cached = sys.modules.get(top)
+    origin = getattr(cached, "__file__", None)
+    if cached is None or not origin:
+        return
+    for folder in folders:
+        for candidate in (Path(folder) / f"{top}.py", Path(folder) / top / "__init__.py"):
+            if candidate.exists() and candidate.resolve() != Path(origin).resolve():
+                for name in [n for n in sys.modules if n == top or n.startswith(top + ".")]:
+                    del sys.modules[name]
+                importlib.invalidate_caches()
+                return
 
 
 def load_job(path: str | os.PathLike | None = None, overrides: list[str] | None = None,
