@@ -33,7 +33,10 @@ def alive(pid: int) -> bool:
 def kill_replica_and_wait_for_its_children(code: str) -> list[int]:
     """Run ``code`` as a replica, SIGKILL it once the reaper has seen its children; returns
     the children still alive 15 s later."""
-    replica = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    # the reaper looks every 0.2 s: by the kill it has looked a dozen times, however loaded the
+    # machine (at its 2 s default it could miss children 2.5 s old: seen with the suite running)
+    replica = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                               env={**os.environ, "LLMBATCH_REAPER_REFRESH_S": "0.2"})
     pids = [int(p) for p in replica.stdout.readline().split()]
     time.sleep(2.5)  # the reaper has seen them
     assert all(alive(p) for p in pids)

@@ -28,6 +28,7 @@ from llmbatch.errors import (
 )
 from llmbatch.jobs.run import JobResult, run_job
 from llmbatch.jobs.spec import JobSpec, load_job
+from llmbatch.jobs.verify import VerifyReport, verify_job, verify_rows
 from llmbatch.processor import Processor
 
 __version__ = "0.1.0"
@@ -51,10 +52,13 @@ __all__ = [
     "SGLangEngineProcessorConfig",
     "ServeDeploymentProcessorConfig",
     "TokenizerStageConfig",
+    "VerifyReport",
     "build_llm_deployment",
     "build_llm_processor",
     "build_processor",
     "load_job",
     "run_job",
     "vLLMEngineProcessorConfig",
+    "verify_job",
+    "verify_rows",
 ]

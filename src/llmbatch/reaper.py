@@ -14,8 +14,10 @@ import os
 import subprocess
 import sys
 
-#: How often the reaper refreshes the list of the replica's descendants.
-REFRESH_S = 2.0
+#: How often the reaper refreshes the list of the replica's descendants
+#: (``LLMBATCH_REAPER_REFRESH_S`` sets it: a test that kills a replica seconds after it started
+#: its children sets it short).
+REFRESH_S = float(os.environ.get("LLMBATCH_REAPER_REFRESH_S", "2.0"))
 
 
 _WRITE_FD: int | None = None

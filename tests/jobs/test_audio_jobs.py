@@ -42,9 +42,10 @@ def test_the_cli_takes_an_audio_column(tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
     from llmbatch import cli
+    from llmbatch.cli import jobs
 
     seen = {}
-    monkeypatch.setattr(cli, "_run", lambda spec, *args, **kwargs: seen.update(spec=spec))
+    monkeypatch.setattr(jobs, "_run", lambda spec, *args, **kwargs: seen.update(spec=spec))
     result = CliRunner().invoke(cli.app, ["run", "--input", str(tmp_path / "clips.parquet"), "--audio-column", "clip", "-m", "tiny-audio",
                                           "--prompt", "What is this sound?", "--output", str(tmp_path / "o.parquet")])
     assert seen, result.output

@@ -161,7 +161,7 @@ def run_job(job: JobSpec | str | os.PathLike, *, overrides: list[str] | None = N
     ``resume`` continues. Nothing in the job directory changes before its lock is held.
     """
     entered = time.time()
-    spec = _resolve_spec(job, overrides)
+    spec = resolve_spec(job, overrides)
     if report:
         check_report_dependencies()
     job_dir = JobDir(spec.resolved_job_dir())
@@ -233,7 +233,7 @@ def _run_locked(job_dir: JobDir, spec: JobSpec, meta: JobMeta, *, retry_errors: 
     return JobResult(job_dir.root, "finished", stats["output"], job_dir.errors_path, stats)
 
 
-def _resolve_spec(job: JobSpec | str | os.PathLike, overrides: list[str] | None) -> JobSpec:
+def resolve_spec(job: JobSpec | str | os.PathLike, overrides: list[str] | None) -> JobSpec:
     if isinstance(job, JobSpec):
         if overrides:
             data = json.loads(job.model_dump_json())

@@ -1,57 +1,23 @@
-"""The ``llmbatch`` command line: jobs without Python.
-
-``run`` (a job file or flags), ``resume``, ``status``, ``retry-errors``, ``plan``, ``models``,
-``sample``, ``demo`` and ``serve`` (the OpenAI Batch API server). Exit codes: 0 done (a job with error rows is done: see its
-errors.jsonl), 2 a config or input mistake, 130 stopped by Ctrl-C (resume continues), 1 other.
-"""
+"""The commands of a job's life: ``run``, ``resume``, ``retry-errors``, ``status``, ``verify``
+and ``plan``."""
 
 from __future__ import annotations
 
-import importlib
 import json
-import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
-from rich.table import Table
 
-from llmbatch import startlog
-from llmbatch.demo import run_demo
-from llmbatch.errors import LLMBatchError, MissingDependencyError
+from llmbatch.cli.base import SetOpt, app, console, facts, fail
+from llmbatch.errors import LLMBatchError
 from llmbatch.jobs.plan import plan_job
 from llmbatch.jobs.run import run_job
 from llmbatch.jobs.spec import load_job
 from llmbatch.jobs.status import job_status
-from llmbatch.models import DEFAULT_MODEL, list_models, prepare
+from llmbatch.jobs.verify import verify_job
 from llmbatch.progress import fmt_duration
-from llmbatch.redact import redact_text
-from llmbatch.sample_data import write_customers_csv
-from llmbatch.toy_models import make_test_models
-
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="Run LLMs over whole datasets: resumable, exactly-once batch inference.")
-models_app = typer.Typer(no_args_is_help=True, help="Built-in offline models.")
-app.add_typer(models_app, name="models")
-console = Console(stderr=True)
-
-SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="Override any job field: --set model.concurrency=2 (repeatable).")]
-
-
-def _fail(exc: BaseException, code: int = 2) -> None:
-    from rich.markup import escape
-
-    console.print(f"[bold red]error:[/bold red] {escape(redact_text(str(exc)))}")
-    raise typer.Exit(code)
-
-
-def _facts(title: str) -> Table:
-    """A two-column table of named facts (a bold name, its value)."""
-    table = Table(title=title, show_header=False)
-    table.add_column(style="bold")
-    table.add_column()
-    return table
 
 
 def _finish(result) -> None:
@@ -60,7 +26,7 @@ def _finish(result) -> None:
                       f"llmbatch resume {result.job_dir}")
         raise typer.Exit(130)
     s = result.stats
-    table = _facts("llmbatch job finished")
+    table = facts("llmbatch job finished")
     table.add_row("output", str(s["output"]))
     table.add_row("rows", f"{s['rows_ok']:,} answered, {s['rows_error']:,} errors (of {s['rows']:,})")
     if s["rows_error"]:
@@ -81,7 +47,7 @@ def _run(job, overrides, **kwargs) -> None:
     try:
         result = run_job(job, overrides=overrides, **kwargs)
     except LLMBatchError as exc:
-        _fail(exc)
+        fail(exc)
     _finish(result)
 
 
@@ -126,7 +92,7 @@ def run(
         node[parts[-1]] = value
 
     if openai_batch and input:
-        _fail(LLMBatchError("give --input or --openai-batch, not both"))
+        fail(LLMBatchError("give --input or --openai-batch, not both"))
     put("input.path", openai_batch or input)
     put("input.format", "openai-batch" if openai_batch else None)
     put("input.invalid_lines", invalid_lines)
@@ -150,7 +116,7 @@ def run(
     try:
         spec = load_job(job_file, overrides=set_ or [], data=data)
     except LLMBatchError as exc:
-        _fail(exc)
+        fail(exc)
     _run(spec, None, force=force, report=report, quiet=quiet)
 
 
@@ -183,11 +149,11 @@ def status(
     try:
         info = job_status(job_dir)
     except LLMBatchError as exc:
-        _fail(exc)
+        fail(exc)
     if as_json:
         print(json.dumps(info, indent=2, default=str))
         return
-    table = _facts(f"job {job_dir}")
+    table = facts(f"job {job_dir}")
     table.add_row("state", info["state"])
     table.add_row("rows", f"{info['rows_done']:,} / {info['rows_total']:,} done ({info['rows_ok']:,} answered, "
                           f"{info['rows_error']:,} errors, {info['rows_todo']:,} to do)")
@@ -205,6 +171,32 @@ def status(
 
 
 @app.command()
+def verify(
+    job_dir: Annotated[Path, typer.Argument(help="The job directory.")],
+    sample: Annotated[int, typer.Option("--sample", help="How many deterministic rows to run again.")] = 100,
+    seed: Annotated[int, typer.Option("--seed", help="The sample's seed.")] = 0,
+    out: Annotated[Optional[Path], typer.Option("--out", help="Where the rows that differ go (default: JOBDIR/verify.jsonl).")] = None,
+) -> None:
+    """Run a seeded sample of a job's deterministic answered rows again, one request in the
+    engine at a time, and compare with what the job committed: the agreement, and the rows
+    that differ in a file."""
+    try:
+        result = verify_job(job_dir, sample=sample, seed=seed, out=out)
+    except LLMBatchError as exc:
+        fail(exc)
+    table = facts(f"verify {job_dir}")
+    table.add_row("agreement", f"{result.agreement:.1%} ({result.agreed:,} of {result.checked:,} rows)")
+    table.add_row("skipped", f"{result.skipped_random:,} rows with random answers (sampled, or n > 1)")
+    if result.failed_again:
+        table.add_row("errors now", f"{result.failed_again:,} rows answered before failed on the re-run")
+    for entry in result.differ[:3]:
+        table.add_row(f"id {entry['id']}", f"committed {json.dumps(entry['committed'], default=str)[:120]}\n"
+                                           f"again     {json.dumps(entry['again'], default=str)[:120]}")
+    table.add_row("rows that differ", f"{len(result.differ):,}: {result.differ_file}")
+    Console().print(table)
+
+
+@app.command()
 def plan(
     job_file: Annotated[Path, typer.Argument(help="Job file (YAML).")],
     set_: SetOpt = None,
@@ -217,120 +209,11 @@ def plan(
         spec = load_job(job_file, overrides=set_ or [])
         info = plan_job(spec, throughput=throughput, calibrate_rows=calibrate)
     except LLMBatchError as exc:
-        _fail(exc)
+        fail(exc)
     if as_json:
         print(json.dumps(info, indent=2, default=str))
         return
-    table = _facts(f"plan for {job_file}")
+    table = facts(f"plan for {job_file}")
     for key, value in info.items():
         table.add_row(key.replace("_", " "), json.dumps(value, default=str) if isinstance(value, (dict, list)) else str(value))
     Console().print(table)
-
-
-@models_app.command("list")
-def models_list() -> None:
-    """The offline models and whether each is prepared."""
-    table = Table(title="offline models")
-    for col in ("name", "task", "prepared", "package", "description"):
-        table.add_column(col)
-    for m in list_models():
-        table.add_row(m["name"], m["task"], m["prepared"], m["package"], m["description"])
-    Console().print(table)
-
-
-@models_app.command("make-test-models")
-def models_make_test_models(
-    folder: Annotated[Optional[str], typer.Argument(help="Where to build them (default: the cache's test-models).")] = None,
-) -> None:
-    """Build the seeded test models offline: a classifier, a cross-encoder, a reward model and
-    LoRA adapters made from the offline models' weights, a tiny vision-language model and a tiny
-    audio model (for trying every task without a hub)."""
-    try:
-        built = make_test_models(folder)
-    except LLMBatchError as exc:
-        _fail(exc)
-    for name, path in built.items():
-        console.print(f"{name}: {path}")
-
-
-@models_app.command("prepare")
-def models_prepare(name: Annotated[str, typer.Argument(help="Offline model name (see `models list`).")]) -> None:
-    """Fetch and convert an offline model once (no model hub needed)."""
-    try:
-        path = prepare(name)
-    except LLMBatchError as exc:
-        _fail(exc)
-    console.print(f"{name}: ready at {path}")
-
-
-@app.command()
-def sample(
-    output: Annotated[Path, typer.Argument(help="CSV file to write.")],
-    rows: Annotated[int, typer.Option(help="Number of customers.")] = 1000,
-    seed: Annotated[int, typer.Option(help="Random seed (same seed, same file).")] = 0,
-) -> None:
-    """Write a seeded customers CSV (Index, Customer Id, First Name, ..., Website)."""
-    write_customers_csv(output, rows, seed)
-    console.print(f"wrote {rows:,} customers to {output}")
-
-
-@app.command()
-def demo(
-    rows: Annotated[int, typer.Option(help="Customers to classify.")] = 2000,
-    out_dir: Annotated[str, typer.Option(help="Where to write the demo's files.")] = "demo-output",
-    model: Annotated[Optional[str], typer.Option(help="Model (default: the offline SmolLM2).")] = None,
-) -> None:
-    """A real batch job on sample data: infer each customer's company industry."""
-    try:
-        run_demo(rows=rows, out_dir=out_dir, model=model or DEFAULT_MODEL)
-    except LLMBatchError as exc:
-        _fail(exc)
-
-
-@app.command()
-def serve(
-    model: Annotated[str, typer.Option("--model", "-m", help="The model every batch runs: offline alias, folder, hub id, .gguf.")],
-    data_dir: Annotated[Path, typer.Option(help="Database, files and batch jobs live here.")] = Path("llmbatch-data"),
-    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
-    set_: SetOpt = None,
-    served_model_name: Annotated[Optional[list[str]], typer.Option(help="A name request bodies may use for the model (repeatable; the first is what answers carry).")] = None,
-    api_key_file: Annotated[Optional[Path], typer.Option(help="File with one API key per line (also: LLMBATCH_API_KEYS=key1,key2).")] = None,
-    no_auth: Annotated[bool, typer.Option("--no-auth", help="No API key needed (loopback addresses only).")] = False,
-    database_url: Annotated[Optional[str], typer.Option(help="SQLAlchemy URL of the metadata database (default: sqlite in --data-dir).")] = None,
-    files_url: Annotated[Optional[str], typer.Option(help="Where file contents live: a folder or fsspec URL (default: <data-dir>/files).")] = None,
-    max_running: Annotated[int, typer.Option(help="Batches that run at once (the rest queue).")] = 1,
-    max_file_bytes: Annotated[int, typer.Option(help="Largest upload, in bytes.")] = 200 * (1 << 20),
-    max_lines: Annotated[int, typer.Option(help="Most requests in one batch file.")] = 50_000,
-    invalid_lines: Annotated[str, typer.Option(help="'fail': a batch with invalid lines fails with their line numbers; 'error': they become error lines.")] = "fail",
-    log_level: Annotated[str, typer.Option(help="Server log level.")] = "info",
-) -> None:
-    """An OpenAI-compatible Batch API (/v1/files, /v1/batches) on your own GPUs: each batch is a
-    resumable, exactly-once job on the Ray cluster RAY_ADDRESS names."""
-    try:
-        server = importlib.import_module("llmbatch.server.main")  # FastAPI & co. only for `serve`
-        settings_mod = importlib.import_module("llmbatch.server.settings")
-    except ImportError as exc:
-        _fail(MissingDependencyError(f"llmbatch serve ({exc.name} is missing)", "llmbatch[serve]"))
-    try:
-        settings = settings_mod.ServerSettings(
-            data_dir=data_dir, model=model, host=host, port=port, overrides=set_ or [],
-            served_model_name=served_model_name or [], api_keys=settings_mod.load_api_keys(api_key_file),
-            no_auth=no_auth, database_url=database_url, files_url=files_url, max_running=max_running,
-            max_file_bytes=max_file_bytes, max_lines=max_lines, invalid_lines=invalid_lines)
-        server.serve(settings, log_level=log_level)
-    except LLMBatchError as exc:
-        _fail(exc)
-
-
-def main() -> None:
-    # the whole CLI process, from its start (the start-up ledger: LLMBATCH_START_LOG)
-    with startlog.timed("cli", command=" ".join(sys.argv[1:2])):
-        try:
-            app()
-        except KeyboardInterrupt:
-            sys.exit(130)
-
-
-if __name__ == "__main__":
-    main()

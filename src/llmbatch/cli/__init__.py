@@ -1,0 +1,33 @@
+"""The ``llmbatch`` command line: jobs without Python.
+
+``run`` (a job file or flags), ``resume``, ``status``, ``retry-errors``, ``verify``, ``plan``
+(``cli/jobs.py``), ``models``, ``sample``, ``demo`` (``cli/getting_started.py``) and ``serve`` (the
+OpenAI Batch API server: ``cli/serve.py``). Exit codes: 0 done (a job with error rows is done: see its
+errors.jsonl), 2 a config or input mistake, 130 stopped by Ctrl-C (resume continues), 1 other.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from llmbatch import startlog
+# each registers its commands, in the order --help lists them
+from llmbatch.cli import jobs  # noqa: F401, I001
+from llmbatch.cli import getting_started  # noqa: F401
+from llmbatch.cli import serve  # noqa: F401
+from llmbatch.cli.base import app
+
+__all__ = ["app", "main"]
+
+
+def main() -> None:
+    # the whole CLI process, from its start (the start-up ledger: LLMBATCH_START_LOG)
+    with startlog.timed("cli", command=" ".join(sys.argv[1:2])):
+        try:
+            app()
+        except KeyboardInterrupt:
+            sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

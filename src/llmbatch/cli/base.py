@@ -1,0 +1,34 @@
+"""What every command shares: the Typer app, the error console, a table of facts."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from llmbatch.redact import redact_text
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Run LLMs over whole datasets: resumable, exactly-once batch inference.")
+models_app = typer.Typer(no_args_is_help=True, help="Built-in offline models.")
+app.add_typer(models_app, name="models")
+console = Console(stderr=True)
+
+SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="Override any job field: --set model.concurrency=2 (repeatable).")]
+
+
+def fail(exc: BaseException, code: int = 2) -> None:
+    """Print the error in one line (secrets redacted) and exit with ``code``."""
+    console.print(f"[bold red]error:[/bold red] {escape(redact_text(str(exc)))}")
+    raise typer.Exit(code)
+
+
+def facts(title: str) -> Table:
+    """A two-column table of named facts (a bold name, its value)."""
+    table = Table(title=title, show_header=False)
+    table.add_column(style="bold")
+    table.add_column()
+    return table
