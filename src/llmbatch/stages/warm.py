@@ -22,8 +22,12 @@ instead of starting an engine.
   leases another for its next batch.
 - A host whose engine dies restarts it (the engine stage's own restart); a host that dies is
   replaced, and the rows it had not answered go to the new one.
-- Before a new host starts, idle hosts of other settings stop (on a GPU all of them: a host
-  holds its device), keeping at most :data:`IDLE_OTHERS_CPU` on a machine without GPUs.
+- Before a new host starts, idle hosts of other settings stop, the least recently used first:
+  on a GPU all of them (a host holds its device); on a CPU all but :data:`IDLE_OTHERS_CPU`, and
+  all of them where the machine has less than :data:`ROOM_FRACTION` of its memory available.
+  An idle host also stops by itself when its machine runs short of memory
+  (:data:`~llmbatch.stages.engine_host.LOW_MEMORY_FRACTION`): warm engines never take the
+  memory a run needs.
 - A host whose engine cannot start fails the lease with the reason and stops.
 
 Only for engines of one device and no placement group (the engine's workers would outlive a
@@ -46,7 +50,7 @@ from llmbatch.errors import ConfigError, EngineStartError
 from llmbatch.rows import PRIVATE_PREFIX, STATS, Row
 from llmbatch.stages.base import Stage
 from llmbatch.stages.engine import EngineStage, process_start
-from llmbatch.stages.engine_host import EngineHost, LeaseLost
+from llmbatch.stages.engine_host import EngineHost, LeaseLost, short_of_memory
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +62,10 @@ KEEP_WARM_ENV = "LLMBATCH_KEEP_WARM_S"
 #: Leases a replica takes before its run fails (a host that died mid-run, a lease lost).
 LEASE_ATTEMPTS = 3
 #: Idle hosts of other settings kept when a new host starts, on a cluster without GPUs.
-IDLE_OTHERS_CPU = 1
+IDLE_OTHERS_CPU = 3
+#: Where less than this share of the machine's memory is available, a new host starts only after
+#: every idle host of other settings has stopped.
+ROOM_FRACTION = 0.35
 #: The row key that tells a replica which of its rows came back from the host.
 _INDEX = f"{PRIVATE_PREFIX}warm_i"
 
@@ -141,7 +148,8 @@ async def lease(chain: list[Stage], key: str, keep_warm_s: float,
     for index in range(len(hosts) + 16):
         name = next((n for n in sorted(hosts) if n not in tried), None)
         if name is None:  # every host of these settings is busy: one more
-            await _stop_idle_others(key, 0 if host_resources.get("num_gpus") else IDLE_OTHERS_CPU)
+            await _stop_idle_others(key, 0 if host_resources.get("num_gpus") or short_of_memory(ROOM_FRACTION)
+                                    else IDLE_OTHERS_CPU)
             taken = set(_hosts())
             name = next(f"{PREFIX}:{key}:{n}" for n in range(len(taken) + 1) if f"{PREFIX}:{key}:{n}" not in taken)
             options = {"name": name, "namespace": NAMESPACE, "lifetime": "detached", "get_if_exists": True,
