@@ -180,8 +180,10 @@ def verify_job(job_dir: str | Path, sample: int = 100, seed: int = 0, out: str |
                     batch_size=None, batch_format="pyarrow"):
                 for row in decode_rows(table):
                     answers[int(row[ROW_ID])] = row
-        for rid in chosen:
-            _compare(report, rid, committed[rid], answers.get(rid))
+        id_column = spec.input.id_column
+        for rid in chosen:  # rows named by the input's id where it has one
+            before = committed[rid]
+            _compare(report, before.get(id_column, rid) if id_column else rid, before, answers.get(rid))
     _write_differ(report, Path(out) if out else job.root / "verify.jsonl")
     return report
 
