@@ -20,11 +20,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # the test cluster is private to this machine: no token authentication between its processes
 os.environ["RAY_AUTH_MODE"] = "disabled"
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-# every engine of the suite (llmbatch's and the plain-vLLM references) gets a 1 GiB CPU KV cache:
-# vLLM on CPU takes this variable over any size in the engine arguments, and a tiny model needs
-# no more, while llmbatch's default (15% of free memory, 3 GiB on a 24 GiB machine) costs about
-# 3 s of every engine's start to allocate, and ~110 engines start in the suite
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+# every engine of the suite (llmbatch's where engine_kwargs name no size, and the plain-vLLM
+# references: tests/e2e/vllm_*reference.py, vllm serve) gets a 256 MiB CPU KV cache: a tiny model
+# needs no more, llmbatch's default (15% of free memory, 3 GiB on a 24 GiB machine) costs about
+# 3 s of an engine's start to allocate, and the warm engines of a worker share the memory
+os.environ.setdefault("LLMBATCH_CPU_KV_CACHE_BYTES", str(256 << 20))
 # engines stay loaded between the runs of a test worker (llmbatch.stages.warm): a run whose
 # engine settings match an earlier run's on the worker's Ray cluster leases that engine instead
 # of starting one (the drivers that tests start inherit this too). Tests of an engine's own

@@ -64,12 +64,15 @@ def count_starts(folder: Path, phases, file_seconds: dict[str, float]) -> dict[s
                 continue
             row = table[_file_at(phases, ledger.stem, entry["t0"])]
             kind = entry["kind"]
+            # a start counts by the line of its beginning (a killed one too), its seconds by the
+            # line of its end
+            begins = entry.get("phase") == "begin"
             if kind in ENGINE_KINDS:
-                row["engines"] += 1
-                row["engine_s"] += entry["seconds"]
-            elif kind == "ray-cluster" or (kind == "ray-init" and not entry.get("joined")):
+                row["engines"] += begins
+                row["engine_s"] += entry.get("seconds") or 0.0
+            elif begins and (kind == "ray-cluster" or (kind == "ray-init" and not entry.get("joined"))):
                 row["ray"] += 1
-            elif kind == "cli":
+            elif begins and kind == "cli":
                 row["cli"] += 1
     if folder.name.startswith(OWN_PREFIX):  # ours: a folder named by the one who ran pytest stays
         shutil.rmtree(folder, ignore_errors=True)

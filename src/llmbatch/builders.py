@@ -102,7 +102,8 @@ def build_vllm_processor(config: vLLMEngineProcessorConfig, **kwargs: Any) -> Pr
     if keep_warm_s and (remote_fn is not None or not vllm_procs.single_process(engine_kwargs)):
         keep_warm_s = 0.0  # a warm host serves engines of one device only (stages/warm.py)
     return _engine_processor(config, engine, max_model_len=config.engine_kwargs.get("max_model_len"),
-                             remote_fn=remote_fn, keep_warm_s=keep_warm_s, **kwargs)
+                             remote_fn=remote_fn, keep_warm_s=keep_warm_s,
+                             lora_base_rows_apart=config.lora_base_rows_apart, **kwargs)
 
 
 @register(SGLangEngineProcessorConfig)
@@ -118,7 +119,8 @@ def build_sglang_processor(config: SGLangEngineProcessorConfig, **kwargs: Any) -
 
 
 def _engine_processor(config: OfflineProcessorConfig, engine: Any, *, max_model_len: Any, remote_fn=None,
-                      needs_gpu: bool = False, keep_warm_s: float = 0.0, preprocess: UserFn | None = None, postprocess: UserFn | None = None,
+                      needs_gpu: bool = False, keep_warm_s: float = 0.0,
+                      lora_base_rows_apart: bool | None = None, preprocess: UserFn | None = None, postprocess: UserFn | None = None,
                       preprocess_map_kwargs: dict[str, Any] | None = None,
                       postprocess_map_kwargs: dict[str, Any] | None = None,
                       chat_template_kwargs: dict[str, Any] | None = None,
@@ -157,6 +159,7 @@ def _engine_processor(config: OfflineProcessorConfig, engine: Any, *, max_model_
         sort_by_prefix=config.sort_by_prefix,
         flush_rows=max(1, min(64, config.batch_size // 4)),
         structured_output_errors=config.resolved_structured_output_errors(),
+        lora_base_rows_apart=lora_base_rows_apart,
     )
     if keep_warm_s:
         engine = WarmEngineStage(engine, keep_warm_s)

@@ -1,11 +1,13 @@
-"""The start-up ledger: one JSON line per expensive start, where ``LLMBATCH_START_LOG`` says.
+"""The start-up ledger: JSON lines of the expensive starts, where ``LLMBATCH_START_LOG`` says.
 
 An engine start (import vLLM, fork its engine process, load the model, allocate the KV cache),
 a local Ray start or a CLI process is where a short job's time goes. With
 ``LLMBATCH_START_LOG=/path/file.jsonl`` in the environment, every such start in every process
-that inherits it (the CLI, its Ray workers, the engine replicas) appends one line:
-``{"kind", "t0", "seconds", "ok", "pid", ...}``. The test suite counts its engine starts with
-it; a user can count a pipeline's. Nothing is written when the variable is unset.
+that inherits it (the CLI, its Ray workers, the engine replicas) appends a line when it begins
+(``{"kind", "t0", "pid", "phase": "begin", ...}``: a process killed in the middle still counts)
+and one when it ends (``{"kind", "t0", "seconds", "ok", "pid", ...}``). The test suite counts
+its engine starts with it; a user can count a pipeline's. Nothing is written when the variable
+is unset.
 """
 
 from __future__ import annotations
@@ -20,13 +22,15 @@ from typing import Any
 ENV = "LLMBATCH_START_LOG"
 
 
-def record(kind: str, t0: float, seconds: float, ok: bool = True, **fields: Any) -> None:
-    """Append one line for a start of ``kind`` that began at ``t0`` (epoch seconds)."""
+def record(kind: str, t0: float, seconds: float | None, ok: bool = True, **fields: Any) -> None:
+    """Append one line for a start of ``kind`` that began at ``t0`` (epoch seconds); ``seconds``
+    None: the line of its beginning."""
     path = os.environ.get(ENV)
     if not path:
         return
-    line = json.dumps({"kind": kind, "t0": round(t0, 3), "seconds": round(seconds, 3), "ok": ok,
-                       "pid": os.getpid(), **fields}, default=str) + "\n"
+    entry: dict[str, Any] = {"kind": kind, "t0": round(t0, 3), "pid": os.getpid()}
+    entry.update({"phase": "begin"} if seconds is None else {"seconds": round(seconds, 3), "ok": ok})
+    line = json.dumps({**entry, **fields}, default=str) + "\n"
     try:  # one write on an O_APPEND descriptor: lines from many processes never interleave
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
@@ -43,6 +47,7 @@ def timed(kind: str, **fields: Any) -> Iterator[dict[str, Any]]:
     add fields to the yielded dict."""
     t0, start = time.time(), time.perf_counter()
     extra: dict[str, Any] = dict(fields)
+    record(kind, t0, None, **extra)
     ok = False
     try:
         yield extra

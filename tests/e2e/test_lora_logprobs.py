@@ -178,8 +178,8 @@ def test_logprobs_survive_parquet_jsonl_and_csv(answered, tmp_path):
 def seeds_lora_job(tmp_path: Path, loras: str, name: str, apart: str | None) -> Path:
     """The issue's case as a job: 16 questions, each asked of the base model and of one adapter
     (the row's `model`), greedy, on the LoRA engine above (max_loras 1). ``apart``: the job's
-    replicas get LLMBATCH_LORA_BASE_APART (``"0"``: base rows and adapter rows mixed in the
-    engine, as llmbatch did before stages/turns.py)."""
+    ``lora_base_rows_apart`` (false: base rows and adapter rows mixed in the engine, as llmbatch
+    did before stages/turns.py; the same warm engine serves both jobs)."""
     import textwrap
 
     rows = [{"id": f"{m or 'base'}-{j}", "q": t, "model": m} for j, t in enumerate(prompts(QUESTIONS))
@@ -192,7 +192,7 @@ def seeds_lora_job(tmp_path: Path, loras: str, name: str, apart: str | None) -> 
                 out["model"] = row["model"]
             return out
     """))
-    runtime = f"runtime_env: {{env_vars: {{LLMBATCH_LORA_BASE_APART: '{apart}'}}}}" if apart is not None else ""
+    runtime = f"lora_base_rows_apart: {apart}" if apart is not None else ""
     (tmp_path / f"{name}.yaml").write_text(textwrap.dedent(f"""
         input: {{path: {name}.jsonl, id_column: id}}
         model:
@@ -211,18 +211,18 @@ def seeds_lora_job(tmp_path: Path, loras: str, name: str, apart: str | None) -> 
 def test_verify_finds_the_base_rows_a_mixed_batch_got_wrong_and_agrees_once_they_run_apart(
         ray_cluster, smollm2, test_models, answered, tmp_path):
     """`llmbatch verify` runs a sample again one request at a time: on a job whose base rows
-    shared engine steps with the adapter's (LLMBATCH_LORA_BASE_APART=0) it names the base rows
+    shared engine steps with the adapter's (lora_base_rows_apart: false) it names the base rows
     that got other answers; on the same job as llmbatch runs it now, every row agrees."""
     from inproc import llmbatch
 
-    for name, apart in (("mixed", "0"), ("apart", None)):
+    for name, apart in (("mixed", "false"), ("apart", None)):
         job = seeds_lora_job(tmp_path, test_models["loras"], name, apart)
         done = llmbatch("run", str(job), "--quiet")
         assert done.returncode == 0, done.stderr[-3000:]
         checked = llmbatch("verify", str(tmp_path / f"{name}.parquet.job"), "--sample", str(2 * QUESTIONS))
         assert checked.returncode == 0, checked.stderr[-3000:]
         differ = [json.loads(line) for line in (tmp_path / f"{name}.parquet.job" / "verify.jsonl").read_text().splitlines()]
-        if apart == "0":
+        if apart == "false":
             # base rows go wrong once an adapter's rows share their steps (from the first token where
             # they start together, as in bench/lora_mix.py; here the adapter's rows join a few steps
             # later, once vLLM has loaded it): some base rows, and only base rows, differ

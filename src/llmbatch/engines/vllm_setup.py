@@ -64,11 +64,19 @@ def on_cpu() -> bool:
         return not torch.cuda.is_available()
 
 
+#: The KV cache (bytes) a CPU engine reserves where ``engine_kwargs`` names none (default: a
+#: share of free memory): many small engines on one machine (a test suite, warm engines of
+#: several models) set it small.
+KV_BYTES_ENV = "LLMBATCH_CPU_KV_CACHE_BYTES"
+
+
 def cpu_kv_cache_bytes(replicas_per_node: int = 1) -> int:
     """A KV cache size that fits beside everything else: 15% of free memory per replica,
-    between 0.5 and 4 GiB."""
+    between 0.5 and 4 GiB; or ``LLMBATCH_CPU_KV_CACHE_BYTES``."""
     import psutil
 
+    if os.environ.get(KV_BYTES_ENV):
+        return int(os.environ[KV_BYTES_ENV])
     share = psutil.virtual_memory().available * 0.15 / max(1, replicas_per_node)
     return int(min(4 * GiB, max(GiB // 2, share)))
 

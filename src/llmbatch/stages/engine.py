@@ -51,9 +51,13 @@ class EngineStage(Stage):
 
     def __init__(self, engine: Engine, *, max_pending_requests: int | None = None, dedup: bool = True,
                  sort_by_prefix: bool = True, max_attempts: int = 3, flush_rows: int = 16,
-                 flush_seconds: float = 0.5, structured_output_errors: str = "error"):
+                 flush_seconds: float = 0.5, structured_output_errors: str = "error",
+                 lora_base_rows_apart: bool | None = None):
         super().__init__()
         self.structured_output_errors = structured_output_errors
+        #: base-model rows and adapter rows take turns in the engine (stages/turns.py); None:
+        #: where the engine says it computes mixed steps wrongly
+        self.lora_base_rows_apart = lora_base_rows_apart
         self.engine = engine
         # what a row must carry is the engine's to say (a prompt for vLLM; a payload, messages
         # or a prompt for an endpoint)
@@ -117,7 +121,10 @@ class EngineStage(Stage):
             limit = math.ceil(self.engine.capacity * 1.1)
         self._semaphore = asyncio.Semaphore(limit) if limit > 0 else None
         # groups of rows that must not share an engine step take turns (stages/turns.py)
-        self._turns = Turns() if getattr(self.engine, "base_rows_apart", False) else None
+        apart = self.lora_base_rows_apart
+        if apart is None:
+            apart = getattr(self.engine, "base_rows_apart", False)
+        self._turns = Turns() if apart else None
         self._restart_lock = asyncio.Lock()
         self._ready = True
         self.ready_at = time.time()
