@@ -135,9 +135,10 @@ def _engine_processor(config: OfflineProcessorConfig, engine: Any, *, max_model_
     ct = config.chat_template_stage
     vllm_chat = None
     if mm.enabled:
-        policy = MediaPolicy(config.engine_kwargs.get("allowed_local_media_path"),
-                             config.engine_kwargs.get("allowed_media_domains"), max_bytes=mm.max_item_bytes,
-                             timeout_s=mm.fetch_timeout_s, retries=mm.fetch_retries)
+        policy = MediaPolicy.for_access(
+            mm.media_access, allowed_local_media_path=config.engine_kwargs.get("allowed_local_media_path"),
+            allowed_media_domains=config.engine_kwargs.get("allowed_media_domains"), max_bytes=mm.max_item_bytes,
+            timeout_s=mm.fetch_timeout_s, retries=mm.fetch_retries)
         vllm_chat = VllmChat(mm.model_source or config.model_source, config.engine_kwargs, mm.model_config_kwargs,
                              mm.chat_template_content_format, ct.chat_template if ct.enabled else None,
                              system_as_text=bool(mm.apply_sys_msg_formatting))

@@ -183,6 +183,7 @@ class PrepareMultimodalStageConfig(StageConfig):
     max_item_bytes: int = Field(64 << 20, ge=1, description="llmbatch: the cap on one media item (encoded bytes, or a decoded image's RGB bytes, or a decoded clip's float32 samples); a bigger one is an error row.")
     fetch_timeout_s: float = Field(20.0, gt=0, description="llmbatch: seconds per try to fetch a media URL.")
     fetch_retries: int = Field(2, ge=0, description="llmbatch: tries after the first for a media URL that fails to connect, times out or answers 5xx.")
+    media_access: Literal["local", "public"] = Field("local", description="llmbatch: whose rows these are. 'local' (the operator's own rows; the default for the Python API and CLI jobs): rows may name local paths, file:// URLs and any host. 'public' (rows from others; the default for openai-batch jobs, which is what llmbatch serve runs): no local files unless engine_kwargs.allowed_local_media_path names a folder, http(s) URLs only to public addresses (no loopback, private, link-local or reserved ones, checked after DNS resolution and on every redirect), video and embedding parts only as data: URLs. Either way redirects are re-checked against allowed_media_domains and only regular files are read, up to max_item_bytes.")
 
 
 def resolve_stage_config(value: Any, cls: type[StageConfig], field: str) -> StageConfig:

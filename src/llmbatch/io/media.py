@@ -4,9 +4,14 @@ or local paths, decoded once, with bounded memory; folders of image files as job
 - Every item is capped (``max_bytes``): a URL is read at most that far, a file larger than it
   is refused before it is read, a decoded image may hold at most that many pixel bytes.
 - URLs get a timeout per try and a few tries with backoff (connection errors, timeouts and
-  5xx answers are retried; 4xx are not).
+  5xx answers are retried; 4xx are not); :mod:`llmbatch.io.media_fetch` fetches them, each
+  redirect hop checked again.
+- Only regular files are read (a device, FIFO or ``/proc`` file is refused), up to the cap.
 - :class:`MediaPolicy` says which paths and hosts a row may name (vLLM's option names:
-  ``allowed_local_media_path``, ``allowed_media_domains``; unset: no restriction).
+  ``allowed_local_media_path``, ``allowed_media_domains``), and whether rows may name local
+  files and private addresses at all: yes for the operator's own rows (``media_access:
+  local``, CLI jobs and the Python API), no for rows from API clients (``media_access:
+  public``, what ``llmbatch serve`` runs).
 """
 
 from __future__ import annotations
@@ -14,15 +19,20 @@ from __future__ import annotations
 import base64
 import io
 import os
-import time
+import stat
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
 from llmbatch.errors import MissingDependencyError, RowValidationError
+from llmbatch.io.media_fetch import fetch_url, short_url
 
 #: Default cap on one media item (encoded bytes, or decoded pixel bytes): 64 MiB.
 DEFAULT_MAX_BYTES = 64 << 20
+
+
+#: ``media_access`` settings: whose rows these are decides what they may name.
+MEDIA_ACCESS = ("local", "public")
 
 
 @dataclass
@@ -30,21 +40,41 @@ class MediaPolicy:
     """Where media may come from and how much of it one item may be.
 
     ``allowed_local_media_path``: local files only under this folder (symlinks resolved);
-    ``allowed_media_domains``: URLs only from these hosts (and their subdomains);
-    ``max_bytes``: the cap per item; ``timeout_s`` / ``retries``: per URL try, tries after
-    the first."""
+    ``allowed_media_domains``: URLs (and every redirect's target) only from these hosts and
+    their subdomains; ``local_files``: whether rows may name local paths and ``file://`` URLs
+    at all (false: only under ``allowed_local_media_path``, if set); ``private_networks``:
+    whether URLs may reach loopback, private, link-local and reserved addresses (false: checked
+    after resolution, on every redirect hop, and the checked address is the one connected to);
+    ``max_bytes``: the cap per item; ``timeout_s`` / ``retries``: per URL try, tries after the
+    first; ``max_redirects``: hops followed per URL. Only regular files are read, up to the cap.
+
+    :meth:`for_access` builds the two settings jobs use: ``"local"`` (the operator's own rows:
+    CLI jobs and the Python API) and ``"public"`` (rows from API clients: ``llmbatch serve``)."""
 
     allowed_local_media_path: str | None = None
     allowed_media_domains: list[str] | None = None
     max_bytes: int = DEFAULT_MAX_BYTES
     timeout_s: float = 20.0
     retries: int = 2
+    local_files: bool = True
+    private_networks: bool = True
+    max_redirects: int = 5
     root: str | None = field(init=False, default=None)
 
     def __post_init__(self):
         if self.allowed_local_media_path:
             self.root = os.path.realpath(self.allowed_local_media_path)
         self.domains = [d.lower() for d in self.allowed_media_domains or []]
+
+    @classmethod
+    def for_access(cls, access: str = "local", **kwargs: Any) -> "MediaPolicy":
+        """``"local"``: local files and every host allowed (tightened by the other options);
+        ``"public"``: no local files unless ``allowed_local_media_path`` names a root, and only
+        public addresses."""
+        if access not in MEDIA_ACCESS:
+            raise ValueError(f"media_access must be one of {MEDIA_ACCESS}, not {access!r}")
+        public = access == "public"
+        return cls(local_files=not public, private_networks=not public, **kwargs)
 
     def check_url(self, url: str) -> None:
         if not self.domains:
@@ -54,10 +84,25 @@ class MediaPolicy:
             raise RowValidationError(f"media URL host {host!r} is not in allowed_media_domains {self.domains}")
 
     def check_path(self, path: str) -> str:
+        """The real path of an allowed local file; the refusal never says whether it exists."""
+        if not self.local_files and self.root is None:
+            raise RowValidationError("local media files are not allowed here (only http(s) and data: URLs); the "
+                                     "operator may allow a folder with engine_kwargs.allowed_local_media_path")
         real = os.path.realpath(path)
         if self.root is not None and os.path.commonpath([self.root, real]) != self.root:
-            raise RowValidationError(f"media path {path!r} is outside allowed_local_media_path {self.root!r}")
+            raise RowValidationError(f"media path {_short(path)!r} is outside allowed_local_media_path {self.root!r}")
         return real
+
+    def check_engine_url(self, url: Any) -> None:
+        """A media URL the engine reads itself (``video_url``, embeddings): it cannot be held to
+        the address checks, so with ``private_networks=False`` only ``data:`` URLs pass."""
+        if not isinstance(url, str) or url.startswith("data:"):
+            return
+        if not self.private_networks or not self.local_files:
+            raise RowValidationError(f"media URL {_short(url)!r}: here parts the engine reads itself (video, "
+                                     "embeddings) must be data: URLs")
+        if url.startswith(("http://", "https://")):
+            self.check_url(url)
 
     def too_big(self, size: int, what: str) -> RowValidationError:
         return RowValidationError(f"{what} is {size} bytes, over the cap of {self.max_bytes} bytes per media item "
@@ -65,49 +110,31 @@ class MediaPolicy:
 
 
 def _short(value: str, n: int = 80) -> str:
-    return value if len(value) <= n else value[:n] + "..."
-
-
-def fetch_url(url: str, policy: MediaPolicy) -> bytes:
-    """The body of ``url`` (at most ``policy.max_bytes``), with a timeout per try and retries."""
-    import urllib.error
-    import urllib.request
-
-    policy.check_url(url)
-    last: BaseException | None = None
-    for attempt in range(policy.retries + 1):
-        if attempt:
-            time.sleep(min(2.0, 0.25 * 2 ** (attempt - 1)))
-        try:
-            with urllib.request.urlopen(url, timeout=policy.timeout_s) as resp:  # noqa: S310 - policy checked
-                length = resp.headers.get("Content-Length")
-                if length and length.isdigit() and int(length) > policy.max_bytes:
-                    raise policy.too_big(int(length), f"media URL {_short(url)!r}")
-                data = resp.read(policy.max_bytes + 1)
-                if len(data) > policy.max_bytes:
-                    raise policy.too_big(len(data), f"media URL {_short(url)!r} (at least)")
-                return data
-        except urllib.error.HTTPError as exc:
-            last = exc
-            if exc.code < 500:
-                break
-        except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as exc:
-            last = exc
-    reason = getattr(last, "reason", None) or last
-    raise RowValidationError(f"could not fetch media URL {_short(url)!r} after {attempt + 1} tries "
-                             f"(timeout {policy.timeout_s:g}s each): {type(last).__name__}: {reason}")
+    return short_url(value, n)
 
 
 def read_path(path: str, policy: MediaPolicy) -> bytes:
+    """A regular file's bytes (at most the cap): devices, FIFOs, folders and /proc files are
+    refused, and the read stops past the cap whatever the size said."""
     real = policy.check_path(path)
     try:
-        size = os.path.getsize(real)
-        if size > policy.max_bytes:
-            raise policy.too_big(size, f"media file {path!r}")
-        with open(real, "rb") as fh:
-            return fh.read()
+        fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
     except OSError as exc:
-        raise RowValidationError(f"cannot read media file {path!r}: {exc.strerror or exc}") from exc
+        raise RowValidationError(f"cannot read media file {_short(path)!r}: {exc.strerror or exc}") from exc
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or real.startswith(("/proc/", "/sys/")):
+        os.close(fd)
+        raise RowValidationError(f"media file {_short(path)!r} is not a regular file")
+    with os.fdopen(fd, "rb") as fh:
+        if info.st_size > policy.max_bytes:
+            raise policy.too_big(info.st_size, f"media file {_short(path)!r}")
+        try:
+            data = fh.read(policy.max_bytes + 1)
+        except OSError as exc:
+            raise RowValidationError(f"cannot read media file {_short(path)!r}: {exc.strerror or exc}") from exc
+    if len(data) > policy.max_bytes:
+        raise policy.too_big(len(data), f"media file {_short(path)!r} (at least)")
+    return data
 
 
 def media_bytes(value: Any, policy: MediaPolicy, kind: str = "image") -> bytes:

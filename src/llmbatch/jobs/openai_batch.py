@@ -72,6 +72,19 @@ def check_spec(spec: Any) -> None:
         spec.output.format = FORMAT
 
 
+def public_media(mm: Any) -> Any:
+    """An openai-batch job's multimodal stage: media_access 'public' unless the job names one
+    (its rows are what ``llmbatch serve`` runs for API clients; an operator running their own
+    batch file sets ``model.prepare_multimodal_stage.media_access: local``)."""
+    if mm is None or isinstance(mm, bool):
+        return {"enabled": bool(mm), "media_access": "public"}
+    if isinstance(mm, dict):
+        return {"media_access": "public", **mm}
+    if hasattr(mm, "model_fields_set") and "media_access" not in mm.model_fields_set:
+        return mm.model_copy(update={"media_access": "public"})
+    return mm
+
+
 def apply_defaults(doc: dict[str, Any]) -> dict[str, Any]:
     """Fill a batch job's model from its file when the job does not name one: ``model.source``
     from the first request's ``model``, ``task_type`` embed for an embedding model or file."""

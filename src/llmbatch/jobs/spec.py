@@ -40,7 +40,7 @@ from llmbatch.errors import ConfigError, did_you_mean
 from llmbatch.jobs.document import apply_overrides, merge, resolve_paths
 from llmbatch.jobs.openai_batch import apply_defaults as apply_openai_defaults
 from llmbatch.jobs.openai_batch import check_spec as check_openai_batch
-from llmbatch.jobs.openai_batch import is_openai_batch
+from llmbatch.jobs.openai_batch import is_openai_batch, public_media
 from llmbatch.redact import expand_env, redact
 from llmbatch.rows import SAMPLING_PARAM_NAMES
 
@@ -249,6 +249,8 @@ class JobSpec(_Config):
         if self.prompt is not None and (self.prompt.image_column or self.prompt.audio_column) is not None:
             mm = fields.get("prepare_multimodal_stage")
             fields["prepare_multimodal_stage"] = {**mm, "enabled": True} if isinstance(mm, dict) else True
+        if is_openai_batch(self):
+            fields["prepare_multimodal_stage"] = public_media(fields.get("prepare_multimodal_stage"))
         try:
             return cls(**fields)
         except ConfigError as exc:

@@ -137,9 +137,7 @@ def prepare_messages(messages: Any, policy: MediaPolicy) -> tuple[list[dict[str,
                 media += 1
                 parts.append({"type": "audio", "audio": audio, **({"uuid": uuid} if uuid is not None else {})})
             elif kind in ("video_url", "image_embeds", "audio_embeds", "video_embeds"):
-                url = _url_of(value)
-                if isinstance(url, str) and url.startswith(("http://", "https://")):
-                    policy.check_url(url)
+                policy.check_engine_url(_url_of(value))
                 digest.update(repr(part).encode())
                 media += 1
                 parts.append(dict(part))
