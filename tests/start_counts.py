@@ -56,14 +56,18 @@ def count_starts(folder: Path, phases, file_seconds: dict[str, float]) -> dict[s
     table: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     for path, seconds in file_seconds.items():
         table[path]["seconds"] = seconds
+    detail: list[dict] = []
     for ledger in sorted(folder.glob("*.jsonl")):
         for line in ledger.read_text().splitlines():
             try:
                 entry = json.loads(line)
             except ValueError:
                 continue
-            row = table[_file_at(phases, ledger.stem, entry["t0"])]
+            where = _file_at(phases, ledger.stem, entry["t0"])
+            row = table[where]
             kind = entry["kind"]
+            if entry.get("phase") == "begin":
+                detail.append({"worker": ledger.stem, "file": where, **entry})
             # a start counts by the line of its beginning (a killed one too), its seconds by the
             # line of its end
             begins = entry.get("phase") == "begin"
@@ -76,6 +80,8 @@ def count_starts(folder: Path, phases, file_seconds: dict[str, float]) -> dict[s
                 row["cli"] += 1
     if folder.name.startswith(OWN_PREFIX):  # ours: a folder named by the one who ran pytest stays
         shutil.rmtree(folder, ignore_errors=True)
+    else:  # every start with its test file, to see which starts a file could share
+        (folder / "starts-by-file.json").write_text(json.dumps(sorted(detail, key=lambda d: d["t0"]), indent=1))
     return table
 
 
