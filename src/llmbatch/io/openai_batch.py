@@ -24,7 +24,7 @@ from typing import Any
 
 from llmbatch.errors import ConfigError
 from llmbatch.io.openai_requests import COMPLETIONS, ENDPOINTS, LATER_ENDPOINTS, RequestError, prompts, translate
-from llmbatch.io.readers import DEFAULT_BATCH_ROWS, READ_ERROR, open_input
+from llmbatch.io.readers import DEFAULT_BATCH_ROWS, READ_ERROR, json_line, open_input
 
 FORMAT = "openai-batch"
 #: Problems listed in full in a failed batch's ``errors`` (and the CLI's message); the rest counted.
@@ -84,7 +84,7 @@ class BatchFileError(ConfigError):
 def _check_line(lineno: int, raw: bytes, options: Options, seen: dict[str, int]) -> tuple[dict[str, Any], list[Any]]:
     """(the request, its prompts); raises :class:`RequestError` (``param`` is the field)."""
     try:
-        value = json.loads(raw.decode("utf-8"))
+        value = json_line(raw.decode("utf-8"))
     except UnicodeDecodeError as exc:
         raise RequestError(f"the line is not UTF-8 ({exc.reason} at byte {exc.start})", None, "invalid_json") from None
     except ValueError as exc:
@@ -140,15 +140,19 @@ def iter_requests(path: str, options: Options) -> Iterator[tuple[int, dict[str, 
             try:
                 request, items = _check_line(lineno, raw, options, seen)
             except RequestError as exc:
-                custom_id = _custom_id(raw)
-                yield lineno, None, [], Problem(lineno, exc.code, str(exc), exc.param, custom_id)
+                yield lineno, None, [], Problem(lineno, exc.code, str(exc), exc.param, _custom_id(raw))
+                continue
+            except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
+                # a body no check foresaw: that line's error, never the whole file's
+                yield lineno, None, [], Problem(lineno, "invalid_request", f"the request cannot be read "
+                                                f"({type(exc).__name__}: {exc})", "body", _custom_id(raw))
                 continue
             yield lineno, request, items, None
 
 
 def _custom_id(raw: bytes) -> str | None:
     try:
-        value = json.loads(raw)
+        value = json_line(raw)
     except ValueError:
         return None
     cid = value.get("custom_id") if isinstance(value, dict) else None
@@ -191,9 +195,13 @@ def read_openai_batch(path: str, options: Options, limit: int | None = None,
             key = "prompt" if request["url"] == COMPLETIONS else "input"
             for sub, item in enumerate(items):
                 one = {**body, key: item} if len(items) > 1 else body
+                try:
+                    text, error = json.dumps(one, ensure_ascii=False), ""
+                except (ValueError, RecursionError) as exc:
+                    text, error = None, f"read: invalid_request: line {lineno}: the body cannot be written ({exc})"
                 rows.append({"custom_id": request["custom_id"], "line": lineno, "url": request["url"],
-                             "body": json.dumps(one, ensure_ascii=False), "model": body.get("model"),
-                             "sub": sub, "subs": len(items), READ_ERROR: ""})
+                             "body": text, "model": body.get("model"),
+                             "sub": sub, "subs": len(items), READ_ERROR: error})
         if len(rows) >= batch_rows:
             yield rows
             rows = []
@@ -208,7 +216,7 @@ def peek(path: str) -> tuple[str | None, str | None]:
     with open_input(path) as fh:
         for raw in fh:
             try:
-                value = json.loads(raw)
+                value = json_line(raw)
             except ValueError:
                 continue
             if not isinstance(value, dict):

@@ -95,7 +95,7 @@ class TemplatePreprocess:
             if isinstance(value, str):
                 try:
                     value = json.loads(value)
-                except ValueError as exc:
+                except (ValueError, RecursionError) as exc:
                     raise RowValidationError(f"column {p.messages_column!r} is not a JSON list of messages: {exc}") from exc
             out["messages"] = value
             return out

@@ -36,7 +36,7 @@ def _check_structured(spec: dict[str, Any], text: str) -> None:
     elif "json" in spec or "json_object" in spec:
         try:
             value = json.loads(text)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             raise StructuredOutputError(f"the answer is not valid JSON ({exc})") from exc
         schema = spec.get("json")
         if isinstance(schema, dict):
