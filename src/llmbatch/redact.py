@@ -30,9 +30,27 @@ signature sig privatekey bearer
 #: Word pairs that do (``api_key``, ``AWS_SECRET_ACCESS_KEY``, ``x-amz-security-token``...).
 SECRET_PAIRS = (("api", "key"), ("access", "key"), ("private", "key"), ("secret", "key"), ("session", "token"),
                 ("security", "token"), ("account", "key"), ("client", "secret"))
+#: A key ending in "key" names a secret (``OPENAI_KEY``, ``Ocp-Apim-Subscription-Key``,
+#: ``x-functions-key``) unless the word before says it is an index (``sort_key``...).
+NOT_SECRET_KEYS = frozenset("sort cache partition primary foreign group dedup hash id lookup row column index public "
+                            "prefix join order routing".split())
+#: Dicts whose every value is a secret (``${VAR}`` references aside): HTTP headers and
+#: environment variables, whatever they are called.
+ALL_SECRET = frozenset({"headers", "extra_headers", "default_headers", "http_headers", "env_vars", "env",
+                        "environment"})
+#: Headers whose values are never secret (every other header's value is redacted).
+PLAIN_HEADERS = frozenset({"content-type", "accept", "accept-encoding", "accept-language", "content-encoding",
+                           "user-agent", "cache-control", "connection"})
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 _URL = re.compile(r"\b[a-zA-Z][a-zA-Z0-9+.-]*://[^\s'\"<>]+")
 _BEARER = re.compile(r"\b(Bearer|Basic|Token)\s+[A-Za-z0-9._~+/=-]{8,}", re.IGNORECASE)
+#: Tokens by their look, wherever they stand in a text: OpenAI/Anthropic-style ``sk-...``,
+#: Hugging Face ``hf_...``, AWS access key ids, GitHub, Slack and Google API keys, JWTs.
+_TOKENS = re.compile(r"\b(?:sk-[A-Za-z0-9_-]{16,}|hf_[A-Za-z0-9]{16,}|(?:AKIA|ASIA)[A-Z0-9]{16}"
+                     r"|gh[pousr]_[A-Za-z0-9]{20,}|xox[abposr]-[A-Za-z0-9-]{10,}|AIza[A-Za-z0-9_-]{30,}"
+                     r"|eyJ[A-Za-z0-9_-]{8,}\.eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,})")
+#: ``name=value`` / ``"name": "value"`` in a text, where the name is a secret's.
+_ASSIGNED = re.compile(r"""(?P<name>[A-Za-z][A-Za-z0-9_.-]*)(?P<sep>["']?\s*[:=]\s*["']?)(?P<value>[^\s"',;&}]{6,})""")
 
 
 class Secret:
@@ -64,10 +82,14 @@ def reveal(value: Any) -> Any:
 def is_secret_key(key: Any) -> bool:
     """Whether a key's name says its value is a secret (``max_num_batched_tokens`` is not; nor is
     ``api_key_env``, which holds the name of the variable with the secret, not the secret)."""
-    words = [w for w in re.split(r"[^a-z0-9]+", str(key).lower()) if w]
+    camel = re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", str(key))  # accessToken, clientSecret
+    words = [w for w in re.split(r"[^a-z0-9]+", camel.lower()) if w]
+    words = ["key" if w == "keys" else w for w in words]
     if words and words[-1] == "env":
         return False
     if any(w in SECRET_WORDS for w in words):
+        return True
+    if words and words[-1] == "key" and (len(words) == 1 or words[-2] not in NOT_SECRET_KEYS):
         return True
     return any(a in words and b in words for a, b in SECRET_PAIRS)
 
@@ -92,11 +114,36 @@ def _redact_url(url: str) -> str:
 
 
 def redact_text(text: Any) -> Any:
-    """``text`` with URL credentials, signed query values and bearer tokens replaced."""
+    """``text`` with URL credentials, signed query values, bearer tokens, values assigned to a
+    secret's name (``api_key=...``, ``"clientSecret": "..."``) and anything that looks like a
+    token (``sk-...``, ``hf_...``, ``AKIA...``, JWTs) replaced."""
     if not isinstance(text, str):
         return text
     text = _URL.sub(lambda m: _redact_url(m.group(0)), text)
-    return _BEARER.sub(lambda m: f"{m.group(1)} {REDACTED}", text)
+    text = _BEARER.sub(lambda m: f"{m.group(1)} {REDACTED}", text)
+    text = _ASSIGNED.sub(lambda m: m.group(0) if m.group("name").lower() == "key" or m.group("value") == REDACTED
+                         or not is_secret_key(m.group("name"))
+                         else f"{m.group('name')}{m.group('sep')}{REDACTED}", text)
+    return _TOKENS.sub(REDACTED, text)
+
+
+def _is_reference(value: Any) -> bool:
+    """A value that names its secret instead of holding it: ``${VAR}``, ``Bearer ${VAR}``."""
+    if not isinstance(value, str) or not _ENV_REF.search(value):
+        return False
+    return _ENV_REF.sub("", value).strip().lower() in ("", "bearer", "basic", "token")
+
+
+def _all_secret(value: dict[Any, Any], headers: bool) -> dict[Any, Any]:
+    """Headers or environment variables: every value redacted but ``${VAR}`` references (and,
+    for headers, those in :data:`PLAIN_HEADERS`)."""
+    out = {}
+    for k, v in value.items():
+        if _is_reference(v) or (headers and isinstance(v, str) and str(k).lower() in PLAIN_HEADERS):
+            out[k] = v
+        else:
+            out[k] = v if v in (None, "") else REDACTED
+    return out
 
 
 def redact(value: Any, key: Any = None) -> Any:
@@ -105,11 +152,13 @@ def redact(value: Any, key: Any = None) -> Any:
     if isinstance(value, Secret):
         return REDACTED
     if key is not None and is_secret_key(key) and value not in (None, "", {}, []):
-        if isinstance(value, str) and _ENV_REF.fullmatch(value.strip()):
+        if _is_reference(value):
             return value
         if not isinstance(value, (dict, list)):
             return REDACTED
     if isinstance(value, dict):
+        if str(key).lower() in ALL_SECRET:
+            return _all_secret(value, headers="header" in str(key).lower())
         return {k: redact(v, k) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [redact(v) for v in value]

@@ -21,7 +21,7 @@ from llmbatch.jobs.store import JobDir
 
 pytestmark = pytest.mark.e2e
 
-KEY = "sk-e2e-secret-key"
+KEY = "sk-e2e-secret-key-0123456789"
 SETTINGS = ["--set", "model.engine_kwargs.max_model_len=512",  # the suite's usual engine (a warm one)
             "--set", "model.batch_size=4", "--set", "model.max_concurrent_batches=1", "--set", "commit_seconds=0.5"]
 FINAL = ("completed", "failed", "cancelled", "expired")

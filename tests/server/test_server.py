@@ -14,7 +14,7 @@ from llmbatch.server.main import job_template, probe
 from llmbatch.server.runner import BatchRunner
 from llmbatch.server.settings import ServerSettings, check, load_api_keys
 
-KEY = "sk-unit-test"
+KEY = "sk-unit-test-key-0123456789"
 CHAT = "/v1/chat/completions"
 
 
@@ -135,8 +135,8 @@ def test_database_is_migrated_with_alembic(tmp_path):
     from llmbatch.server.db import Database
 
     db = Database(f"sqlite:///{tmp_path / 'x.db'}")
-    assert db.revision == "0001"
-    assert Database(f"sqlite:///{tmp_path / 'x.db'}").revision == "0001"  # a second start changes nothing
+    assert db.revision == "0002"
+    assert Database(f"sqlite:///{tmp_path / 'x.db'}").revision == "0002"  # a second start changes nothing
 
 
 def test_start_up_refuses_no_key_and_open_no_auth(tmp_path, monkeypatch):
@@ -147,7 +147,8 @@ def test_start_up_refuses_no_key_and_open_no_auth(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="loopback"):
         check(ServerSettings(**base, no_auth=True, host="0.0.0.0"))
     check(ServerSettings(**base, no_auth=True, host="::1"))
-    (tmp_path / "keys").write_text("# team keys\nk1\n\nk2  # ci\n")
-    assert load_api_keys(tmp_path / "keys", {"LLMBATCH_API_KEYS": "k3, k4"}) == {"k1", "k2", "k3", "k4"}
+    k = [f"sk-key-{i}-0123456789abcdef" for i in range(4)]
+    (tmp_path / "keys").write_text(f"# team keys\n{k[0]}\n\n{k[1]}  # ci\n")
+    assert set(load_api_keys(tmp_path / "keys", {"LLMBATCH_API_KEYS": f"{k[2]}, {k[3]}"})) == set(k)
     with pytest.raises(ConfigError, match="decided per batch"):
         job_template(ServerSettings(**base, overrides=["output.path=x"]))

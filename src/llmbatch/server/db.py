@@ -2,7 +2,9 @@
 SQLAlchemy URL otherwise), its schema made and upgraded by Alembic migrations at start-up.
 
 Status changes are conditional updates (``transition``): a cancel arriving while the runner
-finishes a batch cannot be lost or undone, whichever thread writes first.
+finishes a batch cannot be lost or undone, whichever thread writes first. Every file and batch
+has a ``tenant``; the routes read through ``get(..., tenant=)`` and ``page(..., tenant=)``, so
+one tenant never sees another's rows.
 """
 
 from __future__ import annotations
@@ -60,20 +62,27 @@ class Database:
         with self.engine.begin() as conn:
             conn.execute(table.insert().values(**row))
 
-    def get(self, table: sa.Table, id_: str) -> dict[str, Any] | None:
+    def get(self, table: sa.Table, id_: str, tenant: str | None = None) -> dict[str, Any] | None:
+        """The row ``id_``; with ``tenant``, only if it is that tenant's."""
+        query = sa.select(table).where(table.c.id == id_)
+        if tenant is not None:
+            query = query.where(table.c.tenant == tenant)
         with self.engine.connect() as conn:
-            found = conn.execute(sa.select(table).where(table.c.id == id_)).mappings().first()
+            found = conn.execute(query).mappings().first()
         return dict(found) if found else None
 
     def page(self, table: sa.Table, after: str | None, limit: int, newest_first: bool = True,
-             where: Any = None) -> tuple[list[dict[str, Any]], bool]:
+             where: Any = None, tenant: str | None = None) -> tuple[list[dict[str, Any]], bool]:
         """Up to ``limit`` rows after the row ``after`` (by creation order), and whether more follow."""
         query = sa.select(table)
         if where is not None:
             query = query.where(where)
+        if tenant is not None:
+            query = query.where(table.c.tenant == tenant)
         with self.engine.connect() as conn:
             if after:
-                seq = conn.execute(sa.select(table.c.seq).where(table.c.id == after)).scalar()
+                seq = conn.execute(sa.select(table.c.seq).where(table.c.id == after, *(
+                    [table.c.tenant == tenant] if tenant is not None else []))).scalar()
                 if seq is not None:
                     query = query.where(table.c.seq < seq if newest_first else table.c.seq > seq)
             order = table.c.seq.desc() if newest_first else table.c.seq.asc()
@@ -82,11 +91,15 @@ class Database:
 
     # -- batches -----------------------------------------------------------------------------
 
-    def transition(self, batch_id: str, from_status: tuple[str, ...] | None, **fields: Any) -> bool:
-        """Update a batch only while its status is one of ``from_status``; returns whether it did."""
+    def transition(self, batch_id: str, from_status: tuple[str, ...] | None, unstopped: bool = False,
+                   **fields: Any) -> bool:
+        """Update a batch only while its status is one of ``from_status`` (and, with
+        ``unstopped``, no cancel or expiry is asked of it); returns whether it did."""
         query = self.batches.update().where(self.batches.c.id == batch_id)
         if from_status is not None:
             query = query.where(self.batches.c.status.in_(from_status))
+        if unstopped:
+            query = query.where(self.batches.c.stop.is_(None))
         with self.engine.begin() as conn:
             return conn.execute(query.values(**fields)).rowcount == 1
 
@@ -102,6 +115,22 @@ class Database:
         with self.engine.connect() as conn:
             return conn.execute(sa.select(b.c.id).where(b.c.input_file_id == file_id, b.c.status.in_(unfinished))
                                 .limit(1)).scalar()
+
+    def tenant_usage(self, tenant: str, unfinished: tuple[str, ...]) -> tuple[int, int]:
+        """(bytes of files stored, unfinished batches) of ``tenant``: what its quotas count."""
+        with self.engine.connect() as conn:
+            stored = conn.execute(sa.select(sa.func.coalesce(sa.func.sum(self.files.c.bytes), 0))
+                                  .where(self.files.c.tenant == tenant)).scalar()
+            queued = conn.execute(sa.select(sa.func.count()).select_from(self.batches)
+                                  .where(self.batches.c.tenant == tenant, self.batches.c.status.in_(unfinished))).scalar()
+        return int(stored or 0), int(queued or 0)
+
+    def expired_files(self, now: int, limit: int = 1000) -> list[str]:
+        """Ids of files whose ``expires_at`` has passed."""
+        f = self.files
+        with self.engine.connect() as conn:
+            return list(conn.execute(sa.select(f.c.id).where(f.c.expires_at.is_not(None), f.c.expires_at <= now)
+                                     .order_by(f.c.seq).limit(limit)).scalars())
 
     def delete_file(self, file_id: str) -> bool:
         with self.engine.begin() as conn:

@@ -7,7 +7,6 @@ import hashlib
 import json
 import secrets
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,44 +36,26 @@ def file_object(row: dict[str, Any]) -> dict[str, Any]:
             "status": row["status"], "status_details": None}
 
 
-class LimitedReader:
-    """The chunks of an upload, counted: refuses more than ``max_bytes`` bytes or
-    ``max_lines`` lines (the upload is then discarded)."""
+class LineCounter:
+    """The lines of an upload as its chunks arrive: refuses more than ``max_lines``."""
 
-    def __init__(self, source: Any, max_bytes: int, max_lines: int):
-        self.source = source
-        self.max_bytes = max_bytes
+    def __init__(self, max_lines: int):
         self.max_lines = max_lines
-        self.bytes = 0
         self.lines = 0
         self.last = b"\n"
 
-    def __iter__(self) -> Iterator[bytes]:
-        while chunk := self.source.read(CHUNK):
-            self.bytes += len(chunk)
-            if self.bytes > self.max_bytes:
-                raise UploadError(413, "file_too_large", f"the file is larger than {self.max_bytes:,} bytes "
-                                                         "(the server's --max-file-bytes)")
-            self.lines += chunk.count(b"\n")
-            self.last = chunk[-1:]
-            if self.lines > self.max_lines:
-                raise UploadError(400, "too_many_lines", f"the file has more than {self.max_lines:,} lines "
-                                                         "(the server's --max-lines)")
-            yield chunk
-        if self.bytes and self.last != b"\n":
-            self.lines += 1
+    def feed(self, chunk: bytes) -> None:
+        if not chunk:
+            return
+        self.lines += chunk.count(b"\n")
+        self.last = chunk[-1:]
+        if self.lines > self.max_lines:
+            raise UploadError(400, "too_many_lines", f"the file has more than {self.max_lines:,} lines "
+                                                     "(the server's --max-lines)")
 
-
-def store_upload(db: Database, store: FileStore, source: Any, filename: str, purpose: str, max_bytes: int,
-                 max_lines: int) -> dict[str, Any]:
-    """Store an uploaded file within the limits; returns its row."""
-    file_id = new_id("file-")
-    reader = LimitedReader(source, max_bytes, max_lines)
-    store.write(file_id, iter(reader))
-    row = {"id": file_id, "bytes": reader.bytes, "created_at": int(time.time()), "expires_at": None,
-           "filename": filename, "purpose": purpose, "status": "processed", "lines": reader.lines}
-    db.insert(db.files, row)
-    return row
+    def total(self, size: int) -> int:
+        """Lines, counting a last line with no newline."""
+        return self.lines + (1 if size and self.last != b"\n" else 0)
 
 
 def _count(path: Path) -> tuple[int, int]:
@@ -93,9 +74,11 @@ def _count(path: Path) -> tuple[int, int]:
     return lines, failed
 
 
-def import_output(db: Database, store: FileStore, batch_id: str, output: Path, errors: Path) -> dict[str, Any]:
-    """Make a batch's output and error files into files (purpose ``batch_output``; ids stable
-    per batch, so doing it again after a crash changes nothing); returns the batch's fields."""
+def import_output(db: Database, store: FileStore, batch: dict[str, Any], output: Path, errors: Path) -> dict[str, Any]:
+    """Make a batch's output and error files into files of its tenant (purpose ``batch_output``;
+    ids stable per batch, so doing it again after a crash changes nothing; they expire
+    ``output_expires_s`` after they are made, if the batch asked); returns the batch's fields."""
+    batch_id = batch["id"]
     fields: dict[str, Any] = {}
     done, _ = _count(output)
     err_lines, failed = _count(errors)
@@ -106,8 +89,11 @@ def import_output(db: Database, store: FileStore, batch_id: str, output: Path, e
         file_id = "file-" + hashlib.blake2b(f"{batch_id}:{kind}".encode(), digest_size=12).hexdigest()
         if db.get(db.files, file_id) is None:
             store.put(str(path), file_id)
-            db.insert(db.files, {"id": file_id, "bytes": path.stat().st_size, "created_at": int(time.time()),
-                                 "expires_at": None, "filename": f"{batch_id}_{kind}.jsonl",
+            now = int(time.time())
+            ttl = batch.get("output_expires_s")
+            db.insert(db.files, {"id": file_id, "bytes": path.stat().st_size, "created_at": now,
+                                 "expires_at": now + ttl if ttl else None, "filename": f"{batch_id}_{kind}.jsonl",
+                                 "tenant": batch.get("tenant"),
                                  "purpose": "batch_output", "status": "processed", "lines": lines})
         fields[f"{kind}_file_id"] = file_id
     fields.update(completed=done, failed=failed)

@@ -1,4 +1,7 @@
-"""``llmbatch serve``: check the settings, open the database and the file store, and listen.
+"""``llmbatch serve``: check the settings, take the data dir (one server per data dir: a second
+is refused with a clear error, as two would run and fail each other's batches), open the
+database and the file store, and listen (with TLS when given ``--ssl-certfile``/``--ssl-keyfile``;
+a warning when keys would travel in clear off loopback).
 
 Needs the ``serve`` extra (FastAPI, uvicorn, SQLAlchemy, Alembic): the CLI imports this
 module only for ``serve``, and says what to install when it cannot.
@@ -7,7 +10,9 @@ module only for ``serve``, and says what to install when it cannot.
 from __future__ import annotations
 
 import copy
+import fcntl
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +26,29 @@ from llmbatch.jobs.spec import apply_overrides, load_job
 from llmbatch.server.app import create_app
 from llmbatch.server.db import Database
 from llmbatch.server.runner import BatchRunner
-from llmbatch.server.settings import ServerSettings, check
+from llmbatch.server.settings import ServerSettings, check, is_loopback
 from llmbatch.server.storage import FileStore
 
 logger = logging.getLogger("llmbatch.server")
+LOCK_NAME = "server.lock"
+
+
+def hold_data_dir(data_dir: Path) -> int:
+    """Lock ``data_dir`` for this process (released when it exits); raises ConfigError naming the
+    server that holds it. Returns the lock's file descriptor (keep it open)."""
+    path = Path(data_dir) / LOCK_NAME
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 200, 0).decode(errors="replace").strip()
+        os.close(fd)
+        raise ConfigError(f"another llmbatch serve ({holder or 'pid unknown'}) uses the data dir {data_dir}; two "
+                          "servers would run each other's batches: stop it, or give this one its own --data-dir "
+                          "(and --database-url)") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} on {os.uname().nodename}".encode(), 0)
+    return fd
 
 
 def job_template(settings: ServerSettings) -> dict[str, Any]:
@@ -47,7 +71,11 @@ def probe(settings: ServerSettings, template: dict[str, Any]) -> tuple[list[str]
     doc = copy.deepcopy(template)
     probe_file = settings.data_dir / "probe.jsonl"
     doc.update(input={"path": str(probe_file), "format": "openai-batch"}, output={"path": str(probe_file) + ".out"})
-    spec = load_job(data=doc)
+    probe_file.touch()  # a job's input must exist when its file is read
+    try:
+        spec = load_job(data=doc)
+    finally:
+        probe_file.unlink(missing_ok=True)
     task = spec.processor_config().task_type
     endpoints = [url for url, kind in ENDPOINTS.items() if kind == task]
     if not endpoints:
@@ -61,6 +89,7 @@ def serve(settings: ServerSettings, log_level: str = "info") -> None:
     check(settings)
     settings.data_dir = Path(settings.data_dir).resolve()
     settings.data_dir.mkdir(parents=True, exist_ok=True)
+    lock = hold_data_dir(settings.data_dir)
     template = job_template(settings)
     endpoints, options = probe(settings, template)
     db = Database(settings.db_url)
@@ -71,5 +100,12 @@ def serve(settings: ServerSettings, log_level: str = "info") -> None:
     logger.info("serving %s (%s) on %s:%s; data in %s; auth %s", options.models[0] if options.models else "?",
                 ", ".join(endpoints), settings.host, settings.port, settings.data_dir,
                 "off (loopback only)" if settings.no_auth else f"on ({len(settings.api_keys)} key(s))")
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=log_level, access_log=True)
-    db.close()
+    if not settings.ssl_certfile and not is_loopback(settings.host):
+        logger.warning("listening on %s without TLS: API keys and batch contents travel in clear; give "
+                       "--ssl-certfile and --ssl-keyfile, or put a TLS proxy in front", settings.host)
+    try:
+        uvicorn.run(app, host=settings.host, port=settings.port, log_level=log_level, access_log=True,
+                    ssl_certfile=settings.ssl_certfile, ssl_keyfile=settings.ssl_keyfile)
+    finally:
+        db.close()
+        os.close(lock)

@@ -9,9 +9,11 @@ One thread owns every transition after ``POST /v1/batches``:
   ``request_counts`` follow its committed parts. A job process that dies is started again
   (it resumes: exactly once) up to ``max_attempts`` times.
 - ``finalizing`` -> ``completed``: the job's output and error files become files.
-- ``cancelling`` -> ``cancelled`` and expiry -> ``expired``: the job is stopped (SIGTERM: it
-  commits what it answered), its output is written from the parts, the lines never run go to
-  the error file as ``batch_cancelled`` / ``batch_expired``.
+- ``cancelling`` -> ``cancelled`` and expiry -> ``expired``: the job's process group is stopped
+  (SIGTERM: it commits what it answered; SIGKILL after ``stop_grace_s``), its output is written
+  from the parts, the lines never run go to the error file as ``batch_cancelled`` /
+  ``batch_expired`` (every line, for a batch stopped before its job read the input).
+- Files past their ``expires_at`` are deleted (every ``sweep_s``), unless a running batch reads one.
 
 Everything is state in the database and the job directories, so a restarted server (even
 after SIGKILL) picks up where the last one was: running batches resume from their parts.
@@ -21,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -36,10 +37,12 @@ from llmbatch.io.openai_batch import MAX_LISTED, Options, validate_batch_file
 from llmbatch.jobs.openai_output import write_openai_output
 from llmbatch.jobs.spec import load_job
 from llmbatch.jobs.store import JobDir
+from llmbatch.redact import redact_text
 from llmbatch.server.counts import LineCounter
 from llmbatch.server.db import Database
 from llmbatch.server.files import import_output
 from llmbatch.server.settings import KEYS_ENV, ServerSettings
+from llmbatch.server.stopping import stop_all, stop_step, write_not_run
 from llmbatch.server.storage import FileStore
 
 logger = logging.getLogger("llmbatch.server")
@@ -64,6 +67,7 @@ class BatchRunner:
         self.pool = ThreadPoolExecutor(2, thread_name_prefix="llmbatch-validate")
         self.wake = threading.Event()
         self.stopping = threading.Event()
+        self.swept = 0.0
         self.thread = threading.Thread(target=self._loop, name="llmbatch-runner", daemon=True)
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -78,15 +82,7 @@ class BatchRunner:
         self.stopping.set()
         self.wake.set()
         self.thread.join(timeout=10)
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        for proc in self.procs.values():
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_all(list(self.procs.values()), timeout)
         self.pool.shutdown(wait=False, cancel_futures=True)
 
     def _loop(self) -> None:
@@ -109,6 +105,18 @@ class BatchRunner:
                 batch["stop"] = "expire"
             handler = getattr(self, f"_{batch['status']}")
             handler(batch, now)
+        if time.monotonic() - self.swept >= self.settings.sweep_s:
+            self.swept = time.monotonic()
+            self.sweep(now)
+
+    def sweep(self, now: int) -> None:
+        """Delete the files whose ``expires_at`` has passed (not one an unfinished batch reads)."""
+        for file_id in self.db.expired_files(now):
+            if self.db.file_in_use(file_id, ACTIVE):
+                continue
+            self.db.delete_file(file_id)
+            self.store.delete(file_id)
+            logger.info("file %s: expired, deleted", file_id)
 
     def batch_dir(self, batch_id: str) -> Path:
         return self.settings.batches_dir / batch_id
@@ -156,9 +164,8 @@ class BatchRunner:
         job = JobDir(self.batch_dir(bid) / "job")
         proc = self.procs.get(bid)
         if proc is not None and proc.poll() is None:
-            if batch["stop"] and not getattr(proc, "llmbatch_stopping", False):
-                proc.send_signal(signal.SIGTERM)  # the job commits what it answered, then exits
-                proc.llmbatch_stopping = True
+            if batch["stop"]:
+                stop_step(proc, self.settings.stop_grace_s)  # the job commits what it answered, then exits
             return self._count(batch)
         if proc is not None:
             self.procs.pop(bid)
@@ -207,6 +214,8 @@ class BatchRunner:
                 {"code": "job_failed", "line": None, "param": None,
                  "message": f"the batch's job failed {batch['attempts']} times; last output: {log}"}])
             return
+        if not self.db.transition(bid, ("in_progress",), unstopped=True, attempts=batch["attempts"] + 1):
+            return  # cancelled (or expired) since this step read the batch: never started
         env = {k: v for k, v in os.environ.items() if k != KEYS_ENV}  # a job never sees the API keys
         env.setdefault("PYTHONUNBUFFERED", "1")
         cmd = [sys.executable, "-m", "llmbatch.server.jobproc", str(self._job_file(batch)), str(os.getpid())]
@@ -214,7 +223,6 @@ class BatchRunner:
         self.procs[bid] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                            env=env, start_new_session=True)
         log.close()
-        self.db.transition(bid, ("in_progress",), attempts=batch["attempts"] + 1)
         logger.info("batch %s: job started (attempt %d)", bid, batch["attempts"] + 1)
 
     def _count(self, batch: dict[str, Any]) -> None:
@@ -248,10 +256,14 @@ class BatchRunner:
         return bool(meta.finished) and meta.finished.get("parts_upto") == upto and not meta.finalizing
 
     def _log_tail(self, bid: str, chars: int = 1500) -> str:
+        """What a client is told of a failed job: its last ``error:`` line (the message of a
+        mistake, redacted), never the log itself (it may name paths, hosts or secrets)."""
         path = self.batch_dir(bid) / "driver.log"
         text = path.read_text(errors="replace") if path.exists() else ""
         lines = [line for line in text.splitlines() if line.startswith("error:")]
-        return (lines[-1] if lines else text[-chars:]).strip() or "no output"
+        if lines:
+            return redact_text(lines[-1].strip())[:chars]
+        return "the batch's job process failed; the server's operator finds its log in the data directory"
 
     # -- finishing ---------------------------------------------------------------------------
 
@@ -279,13 +291,22 @@ class BatchRunner:
                 meta.finalizing = None
                 job.write_meta(meta)
             self._import(batch, Path(spec.output.path), Path(spec.output.errors_path))
+        else:  # stopped before the job read its input: every request is a not-run line
+            folder = self.batch_dir(bid)
+            folder.mkdir(parents=True, exist_ok=True)
+            try:
+                with self.store.open(batch["input_file_id"]) as source:
+                    write_not_run(source, folder / "error.jsonl", bid, *STOP_MESSAGES[reason])
+            except FileNotFoundError:
+                logger.warning("batch %s: its input file is gone; no error file", bid)
+            self._import(batch, folder / "output.jsonl", folder / "error.jsonl")
         final = {"cancel": ("cancelled", "cancelled_at"), "expire": ("expired", "expired_at")}[reason]
         self.db.transition(bid, ACTIVE, status=final[0], **{final[1]: int(time.time())})
         self.counters.pop(bid, None)
         logger.info("batch %s: %s", bid, final[0])
 
     def _import(self, batch: dict[str, Any], output: Path, errors: Path) -> None:
-        fields = import_output(self.db, self.store, batch["id"], output, errors)
+        fields = import_output(self.db, self.store, batch, output, errors)
         stats_path = self.batch_dir(batch["id"]) / "job" / "stats.json"
         if stats_path.exists():
             import json

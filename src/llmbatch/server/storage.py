@@ -27,22 +27,19 @@ class FileStore:
     def _path(self, file_id: str) -> str:
         return f"{self.root.rstrip('/')}/{file_id}"
 
+    def writer(self, file_id: str) -> "Writer":
+        """A file being written as ``file_id``: ``write`` chunks, then ``commit`` or ``abort``."""
+        return Writer(self, file_id)
+
     def write(self, file_id: str, chunks: Iterator[bytes]) -> None:
         """Store ``chunks`` as ``file_id`` (nothing is left if the chunks raise)."""
-        target = self._path(file_id)
-        tmp = target + ".tmp" if self.local else target
+        writer = self.writer(file_id)
         try:
-            with self.fs.open(tmp, "wb") as fh:
-                for chunk in chunks:
-                    fh.write(chunk)
-                if self.local:
-                    fh.flush()
-                    os.fsync(fh.fileno())
-            if self.local:
-                os.replace(tmp, target)
+            for chunk in chunks:
+                writer.write(chunk)
+            writer.commit()
         except BaseException:
-            if self.fs.exists(tmp):
-                self.fs.rm(tmp)
+            writer.abort()
             raise
 
     def put(self, local_path: str, file_id: str) -> None:
@@ -60,3 +57,34 @@ class FileStore:
     def delete(self, file_id: str) -> None:
         if self.fs.exists(self._path(file_id)):
             self.fs.rm(self._path(file_id))
+
+
+class Writer:
+    """One file on its way into the store (a local store writes beside the final name)."""
+
+    def __init__(self, store: FileStore, file_id: str):
+        self.store = store
+        self.target = store._path(file_id)
+        self.tmp = self.target + ".tmp" if store.local else self.target
+        self.fh = store.fs.open(self.tmp, "wb")
+        self.bytes = 0
+
+    def write(self, chunk: bytes) -> None:
+        self.fh.write(chunk)
+        self.bytes += len(chunk)
+
+    def commit(self) -> None:
+        if self.store.local:
+            self.fh.flush()
+            os.fsync(self.fh.fileno())
+        self.fh.close()
+        if self.store.local:
+            os.replace(self.tmp, self.target)
+
+    def abort(self) -> None:
+        """Close and remove what was written (safe to call twice)."""
+        try:
+            self.fh.close()
+        finally:
+            if self.store.fs.exists(self.tmp):
+                self.store.fs.rm(self.tmp)
