@@ -62,3 +62,22 @@ def test_the_reaper_starts_without_importing_the_llmbatch_package(tmp_path):
     replica = REPLICA.replace("assert watch_children()",
                               f"import os; os.environ['PYTHONPATH'] = {str(shim.parent)!r}; assert watch_children()")
     assert kill_replica_and_wait_for_its_children(replica) == []
+
+
+def test_the_reaper_never_ends_a_process_that_reused_a_pid():
+    """The reaper keeps process objects, not PIDs: one whose PID now names another process
+    (here: an object from before the PID was reused, faked by its start time) is left alone."""
+    import psutil
+
+    from llmbatch.reaper import victims
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        fresh = psutil.Process(child.pid)
+        stale = psutil.Process(child.pid)
+        stale._ident = (child.pid, stale._ident[1] - 1000.0)  # the process that had this PID before
+        assert victims({child.pid: stale}) == []
+        assert [p.pid for p in victims({child.pid: fresh})] == [child.pid]
+    finally:
+        child.kill()
+        child.wait()

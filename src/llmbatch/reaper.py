@@ -49,36 +49,45 @@ def watch_children() -> bool:
     return True
 
 
-def _descendants(pid: int) -> set[int]:
+def _descendants(pid: int) -> dict[int, object]:
+    """The process's descendants now, as psutil process objects (each remembers when its
+    process started, so it never stands for a later process that got the same PID)."""
     import psutil
 
     try:
-        return {p.pid for p in psutil.Process(pid).children(recursive=True)}
+        return {p.pid: p for p in psutil.Process(pid).children(recursive=True)}
     except psutil.Error:
-        return set()
+        return {}
+
+
+def victims(known: dict[int, object]) -> list:
+    """The processes to end: those of ``known`` still running (the same processes, not PIDs
+    reused since) and their own descendants."""
+    import psutil
+
+    out = []
+    for proc in known.values():
+        try:
+            if not proc.is_running():  # gone, or its PID now names another process
+                continue
+            out.append(proc)
+            out.extend(proc.children(recursive=True))
+        except psutil.Error:
+            continue
+    return out
 
 
 def _reap(watched: int, read_fd: int) -> None:
     import select
 
-    import psutil
-
-    known: set[int] = set()
+    known: dict[int, object] = {}
     while True:
         ready, _, _ = select.select([read_fd], [], [], REFRESH_S)
         if ready and not os.read(read_fd, 1):
             break  # the replica is gone (or exited): its pipe end closed
-        known |= _descendants(watched)
-        known = {p for p in known if psutil.pid_exists(p)}
-    victims = []
-    for pid in known:
-        try:
-            proc = psutil.Process(pid)
-            victims.append(proc)
-            victims.extend(proc.children(recursive=True))
-        except psutil.Error:
-            continue
-    end_processes(victims, grace_s=3)
+        known.update(_descendants(watched))
+        known = {pid: p for pid, p in known.items() if p.is_running()}
+    end_processes(victims(known), grace_s=3)
 
 
 def end_processes(procs: list, grace_s: float) -> None:

@@ -6,6 +6,7 @@ name, fsynced, renamed into place, and the folder is fsynced so the rename itsel
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from pathlib import Path
@@ -52,9 +53,31 @@ def write_parquet_synced(table: pa.Table, path: str | os.PathLike) -> None:
         os.fsync(fh.fileno())
 
 
-def atomic_write_parquet(table: pa.Table, path: str | os.PathLike) -> None:
+def atomic_write_parquet(table: pa.Table, path: str | os.PathLike, replace: bool = True) -> None:
+    """Write ``path`` whole or not at all. ``replace=False`` publishes without replacing: a
+    file already at ``path`` raises FileExistsError and stays as it was (a hard link is the
+    no-replace rename; where the filesystem has no links, the check and the rename are two steps)."""
     path = Path(path)
     tmp = temporary_name(path)
     write_parquet_synced(table, tmp)
-    os.replace(tmp, path)
+    if replace:
+        os.replace(tmp, path)
+    else:
+        publish_new(tmp, path)
     fsync_dir(path.parent)
+
+
+def publish_new(tmp: Path, path: Path) -> None:
+    """Rename ``tmp`` to ``path`` unless ``path`` exists (FileExistsError; ``tmp`` is removed)."""
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        tmp.unlink(missing_ok=True)
+        raise
+    except OSError:  # no hard links here (some FUSE and object-store mounts)
+        if os.path.lexists(path):
+            tmp.unlink(missing_ok=True)
+            raise FileExistsError(errno.EEXIST, "exists", str(path)) from None
+        os.rename(tmp, path)
+        return
+    tmp.unlink()

@@ -38,6 +38,7 @@ import pyarrow.parquet as pq
 from llmbatch.errors import JobError
 from llmbatch.io.files import atomic_write_json, atomic_write_parquet
 from llmbatch.io.readers import open_input
+from llmbatch.jobs.lock import lock_is_held, open_no_follow, take_lock
 from llmbatch.jobs.meta import FORMAT_VERSION, JobMeta
 from llmbatch.redact import redact_text
 from llmbatch.rows import ERROR_COLUMN, ROW_ID, parse_error
@@ -142,7 +143,7 @@ class JobDir:
 
     def log(self, message: str) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "a") as fh:
+        with open_no_follow(self.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, "a") as fh:
             fh.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {redact_text(message)}\n")
 
     def reset(self) -> None:
@@ -161,9 +162,9 @@ class JobDir:
     def locked(self) -> Iterator[None]:
         """Hold the job's lock (one driver per job dir)."""
         self.root.mkdir(parents=True, exist_ok=True)
-        fh = open(self.root / LOCK_NAME, "a+")
+        fh = open_no_follow(self.root / LOCK_NAME, os.O_RDWR | os.O_CREAT, "r+")
         try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            take_lock(fh)
         except BlockingIOError:
             fh.seek(0)
             holder = fh.read().strip()
@@ -184,16 +185,7 @@ class JobDir:
 
     def is_running(self) -> bool:
         """Whether a driver holds this job's lock right now."""
-        path = self.root / LOCK_NAME
-        if not path.exists():
-            return False
-        with open(path, "a+") as fh:
-            try:
-                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                return True
-            fcntl.flock(fh, fcntl.LOCK_UN)
-        return False
+        return lock_is_held(self.root / LOCK_NAME)
 
     # -- input -----------------------------------------------------------------------------
 
@@ -210,9 +202,16 @@ class JobDir:
         return int(path.stem.split("-")[1])
 
     def clean_temporaries(self) -> None:
-        if self.parts_dir.exists():
-            for tmp in self.parts_dir.glob(".*.tmp"):
-                tmp.unlink()
+        """Remove what a crash left half written (hidden ``.NAME.tmp`` files and folders in the
+        job directory and its parts); called under the lock, before anything is written."""
+        for folder in (self.root, self.parts_dir):
+            if not folder.is_dir():
+                continue
+            for tmp in folder.glob(".*.tmp"):
+                if tmp.is_dir() and not tmp.is_symlink():
+                    shutil.rmtree(tmp)
+                else:
+                    tmp.unlink(missing_ok=True)
 
     def commit(self, table: pa.Table) -> Path:
         """Write one part atomically; returns its path."""
@@ -221,7 +220,12 @@ class JobDir:
             files = self.part_files()
             self._next_part = self.part_index(files[-1]) + 1 if files else 0
         path = self.parts_dir / f"part-{self._next_part:06d}.parquet"
-        atomic_write_parquet(table, path)
+        try:
+            atomic_write_parquet(table, path, replace=False)
+        except FileExistsError:
+            raise JobError(f"{path} was committed by another driver while this one held the job's lock (does "
+                           "this filesystem honour flock? NFS and some FUSE mounts do not); nothing was "
+                           "replaced: stop the other driver and resume") from None
         self._next_part += 1
         return path
 
