@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.waiting import wait_for
+from waiting import wait_for
 
 pytestmark = pytest.mark.e2e
 

@@ -256,6 +256,23 @@ def test_files_expire_as_asked_and_the_sweeper_deletes_them(make):
     assert client.get(f"/v1/files/{kept['id']}").status_code == 200
 
 
+def test_content_of_a_file_gone_from_the_store_is_a_404_and_crash_litter_is_swept(make, tmp_path, monkeypatch):
+    served = make()
+    client = served.client()
+    file_id = upload(client).json()["id"]
+    (served.settings.data_dir / "files" / file_id).unlink()  # deleted or expired meanwhile
+    response = client.get(f"/v1/files/{file_id}/content")
+    assert response.status_code == 404 and response.json()["error"]["code"] == "file_not_found"
+    from llmbatch.server import main
+
+    monkeypatch.setattr(main.uvicorn, "run", lambda app, **kwargs: None)
+    litter = tmp_path / "data" / "files" / "file-crashed.tmp"
+    litter.write_bytes(b"half an upload")
+    main.serve(ServerSettings(data_dir=tmp_path / "data", model="smollm2-135m-instruct",
+                              api_keys=frozenset({KEY_A})))
+    assert not litter.exists()
+
+
 # -- M2 and the Low items about stopping --------------------------------------------------------
 
 STUBBORN = """

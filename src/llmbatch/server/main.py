@@ -94,6 +94,8 @@ def serve(settings: ServerSettings, log_level: str = "info") -> None:
     endpoints, options = probe(settings, template)
     db = Database(settings.db_url)
     store = FileStore(settings.files_root)
+    if settings.files_url is None:  # the data dir's own store: no other server writes there (the lock)
+        store.remove_partial()
     runner = BatchRunner(settings, db, store, template, options)
     app = create_app(settings, db, store, runner, endpoints, options.models or [])
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -51,6 +51,17 @@ class FileStore:
         else:
             self.fs.put_file(local_path, self._path(file_id))
 
+    def remove_partial(self) -> int:
+        """Remove the ``.tmp`` files a crashed server left in a local store; returns how many."""
+        if not self.local:
+            return 0
+        removed = 0
+        for entry in os.scandir(self.root):
+            if entry.name.endswith(".tmp") and entry.is_file(follow_symlinks=False):
+                os.unlink(entry.path)
+                removed += 1
+        return removed
+
     def open(self, file_id: str) -> IO[bytes]:
         return self.fs.open(self._path(file_id), "rb")
 
