@@ -6,8 +6,9 @@ credentials and signed query strings in URLs. Everything llmbatch writes to a jo
 (``job.json``, ``log.txt``, ``stats.json``, ``errors.jsonl``) or prints goes through
 :func:`redact` / :func:`redact_text` first.
 
-A job file can name a secret instead of holding it: ``${HF_TOKEN}`` in any string value is
-read from the environment when the job is loaded, and the job directory keeps the reference,
+A job file can name a secret instead of holding it: ``${HF_TOKEN}`` in a string value (outside
+the prompt text: see :data:`llmbatch.jobs.document.AS_WRITTEN`) is read from the environment when
+the job is loaded, and the job directory keeps the reference,
 so ``llmbatch resume`` reads it again. A literal secret is written as :data:`REDACTED`; such a
 job resumes from its job file (``llmbatch run job.yaml``), not from the job directory alone.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Collection
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
@@ -167,13 +169,15 @@ def redact(value: Any, key: Any = None) -> Any:
     return value
 
 
-def expand_env(value: Any, where: str = "") -> Any:
+def expand_env(value: Any, where: str = "", keep: Collection[str] = ()) -> Any:
     """Replace ``${VAR}`` in string values with the environment's value (a missing variable
-    is a config error that names it and where it is used)."""
+    is a config error that names it and where it is used); the values of keys named in ``keep``
+    (at any depth) are taken as written."""
     if isinstance(value, dict):
-        return {k: expand_env(v, f"{where}.{k}" if where else str(k)) for k, v in value.items()}
+        return {k: v if k in keep else expand_env(v, f"{where}.{k}" if where else str(k), keep)
+                for k, v in value.items()}
     if isinstance(value, list):
-        return [expand_env(v, f"{where}[{i}]") for i, v in enumerate(value)]
+        return [expand_env(v, f"{where}[{i}]", keep) for i, v in enumerate(value)]
     if isinstance(value, str) and "${" in value:
         def sub(m: re.Match) -> str:
             name = m.group(1)

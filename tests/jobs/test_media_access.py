@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
+from llmbatch import build_processor
 from llmbatch.jobs.spec import load_job
 
 
@@ -38,3 +41,23 @@ def test_jobs_over_the_operators_own_rows_keep_local_media(tmp_path):
            "model": {"source": "smollm2-135m-instruct"},
            "prompt": {"user": "Describe it.", "image_column": "image"}}
     assert access(doc) == "local"
+
+
+def test_the_job_llmbatch_serve_writes_for_a_batch_fetches_media_as_public(tmp_path):
+    """The server's job file for a batch (its template with the operator's --set, the batch's
+    input) builds a multimodal stage whose policy refuses local files and private addresses,
+    also when the operator turned the stage on with a bare ``true``."""
+    main = pytest.importorskip("llmbatch.server.main")
+    from llmbatch.server.settings import ServerSettings
+
+    settings = ServerSettings(data_dir=tmp_path, model="smollm2-135m-instruct",
+                              overrides=["model.prepare_multimodal_stage=true"])
+    path = batch_file(tmp_path)
+    doc = {**main.job_template(settings),
+           "input": {"path": path, "format": "openai-batch", "endpoint": "/v1/chat/completions",
+                     "invalid_lines": "error"},
+           "output": {"path": str(tmp_path / "output.jsonl"), "errors_path": str(tmp_path / "error.jsonl")},
+           "job_dir": str(tmp_path / "job")}
+    processor = build_processor(load_job(data=doc).processor_config())
+    policy = processor.get_stage_by_name("prepare_multimodal").policy
+    assert (policy.local_files, policy.private_networks, policy.root) == (False, False, None)

@@ -21,8 +21,8 @@ SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="Override any
 
 
 def fail(exc: BaseException, code: int = 2) -> None:
-    """Print the error in one line (secrets redacted) and exit with ``code``."""
-    console.print(f"[bold red]error:[/bold red] {escape(redact_text(str(exc)))}")
+    """Print the error in one line, never wrapped (secrets redacted), and exit with ``code``."""
+    console.print(f"[bold red]error:[/bold red] {escape(redact_text(str(exc)))}", soft_wrap=True)
     raise typer.Exit(code)
 
 

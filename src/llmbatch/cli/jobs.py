@@ -137,6 +137,14 @@ def retry_errors(
     quiet: Annotated[bool, typer.Option("--quiet", "-q")] = False,
 ) -> None:
     """Re-run only the rows that failed, optionally with changed settings (--set)."""
+    try:
+        info = job_status(job_dir)
+    except LLMBatchError as exc:
+        fail(exc)
+    if info["state"] == "finished" and not info["rows_error"]:
+        console.print(f"retry-errors: 0 rows to run: job {job_dir} finished with no error rows "
+                      f"({info['rows_ok']:,} answered); nothing started", soft_wrap=True)
+        return
     _run(job_dir, set_ or [], retry_errors=True, quiet=quiet)
 
 

@@ -1,5 +1,6 @@
-"""The job document before it is a spec: ``--set`` overrides, other documents merged in, and
-paths made relative to the job file's folder."""
+"""The job document before it is a spec: ``--set`` overrides, other documents merged in, paths
+made relative to the job file's folder, ``${VAR}`` read from the environment outside the prompt
+text, and the sections a job cannot run without named by their flags."""
 
 from __future__ import annotations
 
@@ -10,6 +11,17 @@ from typing import Any
 import yaml
 
 from llmbatch.errors import ConfigError
+from llmbatch.models import ALIASES
+from llmbatch.redact import expand_env
+
+#: Keys whose values are prompt text, or what constrains or stops the answer: taken as written,
+#: so ``$`` there is a ``$`` (``"Price: ${price}"`` is a dollar sign and the row's field
+#: ``{price}``), never an environment variable. ``${VAR}`` anywhere else (secrets, paths,
+#: engine settings) is read from the environment.
+AS_WRITTEN = ("prompt", "sampling_params", "pooling_params", "chat_template")
+#: The model ``--task embed`` runs when the job names none: the shipped embedding model.
+EMBED_MODEL = next(name for name, m in ALIASES.items() if m.task == "embed")
+PROMPT_SOURCES = ("user", "messages_column", "prompt_column", "text_column", "pair_columns")
 
 
 def _parse_override(item: str) -> tuple[list[str], Any]:
@@ -73,3 +85,51 @@ def merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
         elif value is not None:
             out[key] = value
     return out
+
+
+def expand_environment(doc: dict[str, Any]) -> dict[str, Any]:
+    """``${VAR}`` replaced by the environment's value everywhere but :data:`AS_WRITTEN`."""
+    return expand_env(doc, keep=AS_WRITTEN)
+
+
+def _section(doc: dict[str, Any], name: str) -> dict[str, Any] | None:
+    value = doc.get(name)
+    return value if isinstance(value, dict) else None
+
+
+def fill_defaults(doc: dict[str, Any]) -> dict[str, Any]:
+    """An embed job that names no model gets the shipped embedding model."""
+    model = {} if doc.get("model") is None else doc["model"]
+    if not isinstance(model, dict) or model.get("source") or model.get("model_source"):
+        return doc
+    if (doc.get("task") or model.get("task_type")) == "embed":
+        doc["model"] = {**model, "source": EMBED_MODEL}
+    return doc
+
+
+def check_required(doc: dict[str, Any]) -> None:
+    """What every job needs (input, model, output, a prompt), each named by its flag and its job
+    file field when missing; what is there but wrong is the spec's to say."""
+    inp, model, out = _section(doc, "input"), _section(doc, "model"), _section(doc, "output")
+    batch = inp is not None and inp.get("format") == "openai-batch"
+    if doc.get("input") is None or (inp is not None and not inp.get("path")):
+        raise ConfigError("--input is missing: give --input FILE (input.path in a job file), or --openai-batch "
+                          "FILE for an OpenAI batch file")
+    if batch and "://" not in str(inp["path"]) and not os.path.exists(str(inp["path"])):
+        raise ConfigError(f"--openai-batch (input.path): {inp['path']} does not exist; give an existing file")
+    if doc.get("model") is None or (model is not None and not (model.get("source") or model.get("model_source"))):
+        if batch:
+            raise ConfigError("--model is missing and no request in the batch file names one: pass --model "
+                              "(model.source in a job file) or name the model in each line's body")
+        raise ConfigError("--model is missing: give -m MODEL (model.source in a job file): an offline alias "
+                          f"such as {next(iter(ALIASES))} (llmbatch models list), a model folder or a hub id")
+    if doc.get("output") is None or (out is not None and not out.get("path")):
+        raise ConfigError("--output is missing: give --output FILE (.parquet, .jsonl or .csv; output.path in a "
+                          "job file)")
+    prompt = _section(doc, "prompt")
+    if batch or doc.get("preprocess") or (doc.get("prompt") is not None and prompt is None):
+        return
+    if prompt is None or not any(prompt.get(key) is not None for key in PROMPT_SOURCES):
+        raise ConfigError("--prompt is missing: give --prompt 'What industry is {Company} in?' (a template over "
+                          "the input's columns; prompt.user in a job file), --text-column for embed or classify, "
+                          "--pair-columns for score, or preprocess: module:function")

@@ -161,6 +161,7 @@ def check_prompt_fields(spec: JobSpec, columns: list[str]) -> None:
     missing = [f for f in spec.prompt.fields() if f not in columns]
     if missing:
         raise ConfigError(
-            f"the prompt uses {', '.join('{' + m + '}' for m in missing)}, which the input does not have. "
+            f"--prompt (prompt.*): the prompt uses {', '.join('{' + m + '}' for m in missing)}, which the input does "
+            "not have. "
             f"Input columns: {', '.join(columns)}"
         )

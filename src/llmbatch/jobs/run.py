@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from llmbatch.errors import ConfigError, JobError
+from llmbatch.errors import ConfigError, JobError, LLMBatchError
 from llmbatch.io.files import atomic_write_json
 from llmbatch.jobs.driver import execute
 from llmbatch.jobs.identity import (
@@ -28,6 +28,7 @@ from llmbatch.jobs.ingest import INGEST_ROWS, ingest
 from llmbatch.jobs.meta import JobMeta
 from llmbatch.jobs.openai_batch import check_batch_file, is_openai_batch
 from llmbatch.jobs.output import finish
+from llmbatch.jobs.preflight import INPUT, check_job, discard_unstarted, first_missing
 from llmbatch.jobs.prompts import check_prompt_fields
 from llmbatch.jobs.spec import JobSpec, load_job, redacted_spec
 from llmbatch.jobs.store import JobDir, input_fingerprint, same_input
@@ -126,8 +127,9 @@ def _ingest(job: JobDir, spec: JobSpec, meta: JobMeta) -> JobMeta:
         options = check_batch_file(spec)  # with invalid_lines: fail, every bad line is listed before any work
     info = ingest(job, spec.input.path, spec.input.format, spec.input.columns, spec.input.limit, spec.input.id_column,
                   options)
-    if options is not None and not info["rows"]:
-        raise ConfigError(f"{spec.input.path} holds no requests")
+    if not info["rows"]:
+        what = "requests" if options is not None else "rows"
+        raise ConfigError(f"{INPUT}: the input has no {what}: {spec.input.path} holds none")
     check_prompt_fields(spec, info["columns"])
     meta.ingested = True
     meta.rows, meta.columns, meta.column_types = info["rows"], info["columns"], info["column_types"]
@@ -165,10 +167,16 @@ def run_job(job: JobSpec | str | os.PathLike, *, overrides: list[str] | None = N
     if report:
         check_report_dependencies()
     job_dir = JobDir(spec.resolved_job_dir())
-    with job_dir.locked():
-        meta = open_job(job_dir, spec, force=force, allow_config_change=retry_errors)
-        return _run_locked(job_dir, spec, meta, retry_errors=retry_errors, report=report, quiet=quiet, tty=tty,
-                           entered=entered)
+    check_job(spec, job_dir, force=force)  # before anything is created or started
+    created = first_missing(job_dir.root)
+    try:
+        with job_dir.locked():
+            meta = open_job(job_dir, spec, force=force, allow_config_change=retry_errors)
+            return _run_locked(job_dir, spec, meta, retry_errors=retry_errors, report=report, quiet=quiet,
+                               tty=tty, entered=entered)
+    except LLMBatchError:
+        discard_unstarted(job_dir, created)  # a mistake found while reading the input leaves nothing
+        raise
 
 
 def _run_locked(job_dir: JobDir, spec: JobSpec, meta: JobMeta, *, retry_errors: bool, report: bool,

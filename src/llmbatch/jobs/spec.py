@@ -37,11 +37,11 @@ from llmbatch.config import (
     vLLMEngineProcessorConfig,
 )
 from llmbatch.errors import ConfigError, did_you_mean
-from llmbatch.jobs.document import apply_overrides, merge, resolve_paths
+from llmbatch.jobs.document import apply_overrides, check_required, expand_environment, fill_defaults, merge, resolve_paths
 from llmbatch.jobs.openai_batch import apply_defaults as apply_openai_defaults
 from llmbatch.jobs.openai_batch import check_spec as check_openai_batch
 from llmbatch.jobs.openai_batch import is_openai_batch, public_media
-from llmbatch.redact import expand_env, redact
+from llmbatch.redact import redact
 from llmbatch.rows import SAMPLING_PARAM_NAMES
 
 PROCESSOR_CONFIGS: dict[str, type[ProcessorConfig]] = {
@@ -101,7 +101,7 @@ class PromptSpec(_Config):
     """What to ask per row: templates over the row's fields (Python ``{Column}`` syntax)."""
 
     system: Optional[str] = Field(None, description="System message template.")
-    user: Optional[str] = Field(None, description="User message template, e.g. 'What industry is {Company} in?'. Use {{ and }} for literal braces.")
+    user: Optional[str] = Field(None, description="User message template, e.g. 'What industry is {Company} in?'. Use {{ and }} for literal braces. Taken as written: '${price}' is a '$' and the field {price}, never an environment variable.")
     messages_column: Optional[str] = Field(None, description="A column that already holds OpenAI chat messages.")
     prompt_column: Optional[str] = Field(None, description="A column holding raw prompt text (skips the chat template).")
     text_column: Optional[str] = Field(None, description="Pooling tasks (embed, classify): the column whose text is embedded or classified, as is.")
@@ -328,9 +328,10 @@ def load_job(path: str | os.PathLike | None = None, overrides: list[str] | None 
     if data:
         doc = merge(doc, data)
     doc = apply_overrides(doc, overrides or [])
-    doc = apply_openai_defaults(resolve_paths(doc, base, job_file_folder=path is not None))
+    doc = fill_defaults(apply_openai_defaults(resolve_paths(doc, base, job_file_folder=path is not None)))
+    check_required(doc)
     raw = copy.deepcopy(doc)
-    spec = JobSpec(**expand_env(doc))
+    spec = JobSpec(**expand_environment(doc))
     spec._raw = raw
     builder_for(spec.processor_config())  # model section mistakes and unsupported processors fail now
     return spec

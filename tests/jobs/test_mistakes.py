@@ -1,0 +1,160 @@
+"""A newcomer's mistakes, walked through the real command line (a process each): every one is
+caught before any engine or Ray starts, in one line on stderr with exit code 2, naming the flag
+and the fix, with no traceback, and leaves nothing behind (no job directory, no output folder).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+SMOL = "smollm2-135m-instruct"
+#: capabilities a root process reads and writes past file permissions with (linux/capability.h)
+CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH = 1, 2
+PR_CAPBSET_DROP = 24
+
+
+@dataclass
+class Mistake:
+    args: list[str]
+    says: list[str]                                   # words the one error line must hold
+    files: dict[str, str] = field(default_factory=dict)  # name -> content ("/" ending: a folder)
+    read_only: list[str] = field(default_factory=list)   # files/folders made unreadable/unwritable
+    env: dict[str, str] = field(default_factory=dict)
+    unprivileged: bool = False                        # needs permissions to hold (not root)
+
+
+def run_args(*extra: str, model: str | None = SMOL, prompt: str | None = "Say {a}", inp: str | None = "in.csv",
+             out: str | None = "out/x.parquet") -> list[str]:
+    args = ["run"]
+    for flag, value in (("-m", model), ("--input", inp), ("--prompt", prompt), ("--output", out)):
+        if value is not None:
+            args += [flag, value]
+    return args + list(extra)
+
+
+CSV = {"in.csv": "a,b\n1,2\n3,4\n"}
+#: the model cases resolve with no network and an empty cache: nothing can be fetched
+OFFLINE = {"HF_HUB_OFFLINE": "1"}
+
+MISTAKES = {
+    "missing input file": Mistake(run_args(inp="nosuch.csv"), ["--input", "nosuch.csv", "does not exist"], CSV),
+    "unreadable input": Mistake(run_args(), ["--input", "cannot be read"], CSV, read_only=["in.csv"],
+                                unprivileged=True),
+    "output under a file": Mistake(run_args(out="reviews.csv/sub/out.parquet"), ["--output", "is a file"],
+                                   {**CSV, "reviews.csv": "x\n1\n"}),
+    "read-only output folder": Mistake(run_args("--job-dir", "jobs/one", out="ro/out.parquet"),
+                                       ["--output", "cannot write"], {**CSV, "ro/": ""}, read_only=["ro"],
+                                       unprivileged=True),
+    "read-only job dir": Mistake(run_args("--job-dir", "ro/job"), ["--job-dir", "cannot write"],
+                                 {**CSV, "ro/": ""}, read_only=["ro"], unprivileged=True),
+    "job dir under a file": Mistake(run_args("--job-dir", "reviews.csv/job"), ["--job-dir", "is a file"],
+                                    {**CSV, "reviews.csv": "x\n1\n"}),
+    "model not resolvable offline": Mistake(run_args(model="tiny-vlm"), ["--model", "tiny-vlm", SMOL,
+                                                                       "llmbatch models list"], CSV, env=OFFLINE),
+    "unknown model name": Mistake(run_args(model="no-such-model"), ["--model", "no-such-model", SMOL], CSV,
+                                  env=OFFLINE),
+    "empty input file": Mistake(run_args(inp="empty.csv"), ["--input", "has no rows"], {"empty.csv": ""}),
+    "csv with a header and no rows": Mistake(run_args(inp="header.csv"), ["--input", "has no rows", "header"],
+                                             {"header.csv": "a,b\n"}),
+    "jsonl of blank lines": Mistake(run_args(inp="blank.jsonl"), ["--input", "has no rows"],
+                                    {"blank.jsonl": "\n\n"}),
+    "no --model": Mistake(run_args(model=None), ["--model", "-m", SMOL], CSV),
+    "no --prompt": Mistake(run_args(prompt=None), ["--prompt", "{Company}"], CSV),
+    "no --output": Mistake(run_args(out=None), ["--output"], CSV),
+    "openai batch naming no model": Mistake(
+        ["run", "--openai-batch", "batch.jsonl", "--output", "out/answers.jsonl"], ["--model", "each line"],
+        {"batch.jsonl": json.dumps({"custom_id": "r1", "method": "POST", "url": "/v1/chat/completions",
+                                    "body": {"messages": [{"role": "user", "content": "Hi"}]}}) + "\n"}),
+    "prompt field the input lacks": Mistake(run_args(prompt="Say {Company}"), ["--prompt", "{Company}", "a, b"], CSV),
+    "output format unknown": Mistake(run_args(out="out/x.txt"), ["--output", "parquet"], CSV),
+}
+
+
+@pytest.fixture
+def workdir(tmp_path):
+    yield tmp_path
+    for p in tmp_path.rglob("*"):  # what a case made unreadable, readable again for pytest's clean-up
+        if not p.is_symlink():
+            p.chmod(0o755 if p.is_dir() else 0o644)
+
+
+def _tree(root: Path) -> set[str]:
+    return {str(p.relative_to(root)) for p in root.rglob("*")}
+
+
+def _obey_file_permissions() -> None:
+    """In the child, before it runs Python: a root process gives up reading and writing past
+    file permissions (dropped from its bounding set, they are gone once it executes)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    for cap in (CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH):
+        if libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP) failed")
+
+
+def _llmbatch(args: list[str], cwd: Path, env: dict[str, str], unprivileged: bool) -> subprocess.CompletedProcess:
+    preexec = _obey_file_permissions if unprivileged and os.geteuid() == 0 else None
+    return subprocess.run([sys.executable, "-m", "llmbatch", *args], cwd=cwd, capture_output=True, text=True,
+                          env={**os.environ, "LLMBATCH_KEEP_WARM_S": "0", **env}, timeout=300, preexec_fn=preexec)
+
+
+@pytest.mark.parametrize("name", list(MISTAKES))
+def test_mistake_is_caught_before_anything_starts(name, workdir):
+    case = MISTAKES[name]
+    for rel, content in case.files.items():
+        target = workdir / rel
+        if rel.endswith("/"):
+            target.mkdir(parents=True)
+        else:
+            target.write_text(content)
+    for rel in case.read_only:
+        (workdir / rel).chmod(0o555 if (workdir / rel).is_dir() else 0)
+    env = dict(case.env)
+    if env.get("HF_HUB_OFFLINE"):
+        (workdir / "cache").mkdir()
+        env["LLMBATCH_CACHE"] = str(workdir / "cache")
+    before = _tree(workdir)
+    proc = _llmbatch(case.args, workdir, env, case.unprivileged)
+    printed = proc.stdout + proc.stderr
+    assert "Traceback" not in printed, printed
+    assert proc.returncode == 2, printed
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    error_lines = [line for line in lines if line.startswith("error:")]
+    assert len(error_lines) == 1, printed
+    for word in case.says:
+        assert word in error_lines[0], f"{word!r} not in {error_lines[0]!r}"
+    assert "JobSpec" not in printed and "ModelSpec" not in printed, printed
+    assert _tree(workdir) == before, "left behind: " + ", ".join(sorted(_tree(workdir) - before))
+
+
+def test_retry_errors_with_no_error_rows_starts_nothing(workdir):
+    """A job that finished without errors: retry-errors says so (0 rows) and runs nothing."""
+    import pyarrow as pa
+
+    from llmbatch.jobs.run import _ingest, open_job
+    from llmbatch.jobs.spec import load_job
+    from llmbatch.jobs.store import JobDir
+    from llmbatch.rows import ERROR_COLUMN, ROW_ID
+
+    (workdir / "in.csv").write_text(CSV["in.csv"])
+    spec = load_job(data={"input": {"path": str(workdir / "in.csv")}, "model": {"source": SMOL},
+                          "prompt": {"user": "Say {a}"}, "output": {"path": str(workdir / "out.parquet")}})
+    job = JobDir(spec.resolved_job_dir())
+    meta = _ingest(job, spec, open_job(job, spec))
+    job.commit(pa.table({ROW_ID: [0, 1], ERROR_COLUMN: ["", ""], "generated_text": ["1", "3"]}))
+    meta.finished = {"parts_upto": 0}
+    job.write_meta(meta)
+    proc = _llmbatch(["retry-errors", str(job.root)], workdir, {}, unprivileged=False)
+    printed = proc.stdout + proc.stderr
+    assert proc.returncode == 0, printed
+    assert "0 rows" in printed and "no error rows" in printed, printed
+    assert job.meta().runs == [], "a run was recorded: something ran"
+    assert not (workdir / "out.parquet").exists()
