@@ -113,6 +113,10 @@ PRIVATE_PREFIX = "__llmbatch_"
 ROW_ID = "__llmbatch_id"              # the job's row id (or None outside jobs)
 ADD_SPECIAL_TOKENS = "__llmbatch_add_special_tokens"
 STATS = "__llmbatch_stats"            # per-row engine facts the job layer aggregates
+#: A job row's request digest and, on the row whose request reached the engine, its answer (JSON
+#: text): committed with the row, so a resumed job copies answers it already has
+#: (:mod:`llmbatch.stages.answers`).
+ANSWER = "__llmbatch_answer"
 #: OpenAI request details the engine honours for this row: every one of ``n`` answers with its
 #: stop reason and logprobs (the ``completions`` column), ``max_tokens_auto`` (generate up to
 #: the context length, as OpenAI's chat endpoint does when max_tokens is not given)

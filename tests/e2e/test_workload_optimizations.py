@@ -71,3 +71,66 @@ def test_dedup_and_ordering_never_change_answers(ray_cluster, smollm2, tmp_path)
         assert on["stats"]["prefix_cache_hit_rate"] is None
     else:  # rows sharing a 4-block preamble run together: most of it is a cache hit
         assert on["stats"]["prefix_cache_hit_rate"] > 0.3
+
+
+RETRY_HOOKS = """
+import os
+
+MARKER = {marker!r}
+
+
+def request(row):
+    # while the marker file exists, the odd rows fail before the engine (as a flaky lookup
+    # in a user's preprocess would); the even rows ask the same questions and are answered
+    if row["id"] % 2 and os.path.exists(MARKER):
+        raise RuntimeError("the test's marker file says this row fails")
+    return {{"messages": [{{"role": "user", "content": row["question"]}}],
+            "sampling_params": {{"temperature": 0, "max_tokens": 8}}}}
+"""
+
+
+def read_parts(paths) -> list[dict]:
+    """The rows of these parts (each read alone: a part of error rows has no answer columns)."""
+    import pyarrow as pa
+
+    return pa.concat_tables([pq.read_table(p) for p in sorted(paths)], promote_options="permissive").to_pylist()
+
+
+def test_a_retried_row_copies_the_answer_its_job_already_committed(ray_cluster, smollm2, tmp_path):
+    from llmbatch.rows import ANSWER, STATS
+
+    questions = [f"Name a fruit that starts with the letter {c}." for c in "ABCDE"]
+    with open(tmp_path / "in.jsonl", "w") as fh:
+        for i in range(30):
+            fh.write(json.dumps({"id": i, "question": questions[i % 5]}) + "\n")
+    marker = tmp_path / "fail"
+    marker.write_text("")
+    (tmp_path / "retry_hooks.py").write_text(RETRY_HOOKS.format(marker=str(marker)))
+    (tmp_path / "job.yaml").write_text(
+        "input: {path: in.jsonl, id_column: id}\n"
+        "model: {source: smollm2-135m-instruct, engine_kwargs: {max_model_len: 512}, batch_size: 16}\n"
+        "preprocess: retry_hooks:request\n"
+        "output: {path: out.parquet}\n")
+    job_dir = tmp_path / "out.parquet.job"
+
+    first = llmbatch("run", str(tmp_path / "job.yaml"), "--quiet", cwd=tmp_path)
+    assert first.returncode == 0, (first.stdout + first.stderr)[-3000:]  # error rows are the job's output
+    parts_before = set(job_dir.glob("parts/*.parquet"))
+    before = read_parts(parts_before)
+    assert sorted(r["id"] for r in before if not r["__inference_error__"]) == list(range(0, 30, 2))
+    assert sorted(r["id"] for r in before if r["__inference_error__"]) == list(range(1, 30, 2))
+    recorded = [r for r in before if r.get(ANSWER)]
+    assert len(recorded) == 5, "one answer record per distinct question, on the row that reached the engine"
+
+    marker.unlink()
+    again = llmbatch("retry-errors", str(job_dir), "--quiet", cwd=tmp_path)
+    assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
+    retried = read_parts(set(job_dir.glob("parts/*.parquet")) - parts_before)
+    assert sorted(r["id"] for r in retried) == list(range(1, 30, 2))
+    assert all(not r["__inference_error__"] for r in retried), [r["__inference_error__"] for r in retried][:3]
+    sent = [r["id"] for r in retried if not r[STATS]["deduped"]]
+    assert sent == [], f"rows {sent} reached the engine though their answers were committed"
+    assert not any(r.get(ANSWER) for r in retried)
+    answers = {r["id"]: r["generated_text"] for r in before + retried if not r["__inference_error__"]}
+    assert all(answers[i] == answers[i % 5] for i in range(30))
+    assert "5 answers from committed rows" in (job_dir / "log.txt").read_text()

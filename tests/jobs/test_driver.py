@@ -53,3 +53,23 @@ def test_parts_commit_by_time(tmp_path):
     time.sleep(0.1)
     c.add(answered([1]))
     assert len(job.part_files()) == 1 and job.state().counts()["done"] == 2
+
+
+def test_answer_records_are_tagged_with_the_model_settings_not_placement(tmp_path):
+    import textwrap
+
+    from llmbatch.jobs.driver import answer_tag
+    from llmbatch.jobs.spec import load_job
+
+    (tmp_path / "data.csv").write_text("Index,Company\n1,Acme\n")
+    (tmp_path / "job.yaml").write_text(textwrap.dedent("""
+        input: {path: data.csv, id_column: Index}
+        model: {source: smollm2-135m-instruct, engine_kwargs: {max_model_len: 512}}
+        prompt: {user: "Which industry is {Company} in?"}
+        output: {path: out/result.parquet}
+    """))
+    tag = answer_tag(load_job(tmp_path / "job.yaml"))
+    assert answer_tag(load_job(tmp_path / "job.yaml", overrides=["model.concurrency=2"])) == tag
+    # another dtype or model: the job's recorded answers are not copied, they are recomputed
+    assert answer_tag(load_job(tmp_path / "job.yaml", overrides=["model.engine_kwargs.dtype=float32"])) != tag
+    assert answer_tag(load_job(tmp_path / "job.yaml", overrides=["model.source=all-minilm-l6-v2"])) != tag

@@ -21,16 +21,17 @@ from llmbatch.cluster import ensure_ray
 from llmbatch.codec import decode_rows, encode_rows, rows_to_table
 from llmbatch.errors import EngineStartError, JobError, LLMBatchError, RowError
 from llmbatch.io.writers import conform, unify_schema
+from llmbatch.jobs.identity import config_hash, result_fields
 from llmbatch.jobs.ingest import INGEST_ROWS, input_rows
 from llmbatch.jobs.meta import JobMeta
 from llmbatch.jobs.openai_batch import OpenAIBatchPostprocess, is_openai_batch
 from llmbatch.jobs.prompts import job_preprocess
 from llmbatch.jobs.spec import JobSpec, load_function
-from llmbatch.jobs.store import JobDir
+from llmbatch.jobs.store import JobDir, committed_answers
 from llmbatch.jobs.tally import Tally
 from llmbatch.processor import Processor
 from llmbatch.progress import Progress
-from llmbatch.rows import ERROR_COLUMN, PRIVATE_PREFIX, ROW_ID, STATS
+from llmbatch.rows import ANSWER, ERROR_COLUMN, PRIVATE_PREFIX, ROW_ID, STATS
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +47,31 @@ def build_job_processor(spec: JobSpec) -> Processor:
     if is_openai_batch(spec):
         post = OpenAIBatchPostprocess()
     return build_processor(spec.processor_config(), preprocess=job_preprocess(spec), postprocess=post,
-                           keep_private=(ROW_ID, STATS), encoded_output=True)
+                           keep_private=(ROW_ID, STATS, ANSWER), encoded_output=True)
+
+
+def answer_tag(spec: JobSpec) -> str:
+    """What the job's answer records are valid for: the model settings that decide an answer
+    (the request's digest covers the prompt, sampling params and adapter). Settings that only
+    move near-ties (batch sizes, concurrency: ``resume`` "numerics") keep the records valid, as
+    they keep a resumed job's committed rows: a job resumed on more GPUs copies what it has."""
+    return config_hash({k: v for k, v in result_fields(spec).items() if k.startswith("model.")})
+
+
+def seed_answers(processor: Processor, job: JobDir, spec: JobSpec) -> int:
+    """Give the processor's engine stage the answers the job's committed rows recorded, and
+    have it record this run's (stages/answers.py); the number of answers given."""
+    import ray
+
+    stage = processor.layout.engine
+    if not hasattr(stage, "seed"):
+        return 0
+    tag = answer_tag(spec)
+    known = committed_answers(job, tag)
+    stage.seed(ray.put(known) if known else None, tag)
+    if known:
+        job.log(f"{len(known)} answers from committed rows are copied to identical requests, not sent again")
+    return len(known)
 
 
 class Committer:
@@ -141,7 +166,9 @@ def _todo_mask(ref) -> np.ndarray:
 
 def _run_pass(job: JobDir, spec: JobSpec, meta: JobMeta, todo: np.ndarray, done: np.ndarray,
               progress: Progress) -> None:
-    out = build_job_processor(spec)(todo_dataset(job, meta, todo))
+    processor = build_job_processor(spec)
+    seed_answers(processor, job, spec)
+    out = processor(todo_dataset(job, meta, todo))
     committer = Committer(job, done, progress, spec.commit_rows, spec.commit_seconds)
     try:
         for table in out.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=1):

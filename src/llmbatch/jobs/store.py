@@ -41,7 +41,8 @@ from llmbatch.io.readers import open_input
 from llmbatch.jobs.lock import lock_is_held, open_no_follow, take_lock
 from llmbatch.jobs.meta import FORMAT_VERSION, JobMeta
 from llmbatch.redact import redact_text
-from llmbatch.rows import ERROR_COLUMN, ROW_ID, parse_error
+from llmbatch.rows import ANSWER, ERROR_COLUMN, ROW_ID, parse_error
+from llmbatch.stages.answers import read_record
 
 LOCK_NAME = "lock"
 ERROR_ROW_CHARS = 2_000
@@ -262,6 +263,34 @@ def read_part_state(path: Path) -> tuple[np.ndarray, np.ndarray]:
     if ERROR_COLUMN not in names:
         return ids, np.zeros(len(ids), dtype=bool)
     return ids, np.array([bool(e) for e in t.column(ERROR_COLUMN).to_pylist()], dtype=bool)
+
+
+#: bytes of answer records a resumed job reads back (about 1 KiB per distinct short answer)
+KNOWN_ANSWER_BYTES = 512 << 20
+
+
+def committed_answers(job: "JobDir", tag: str, limit_bytes: int = KNOWN_ANSWER_BYTES) -> dict[bytes, dict[str, Any]]:
+    """The answers the job's committed rows recorded under ``tag`` (stages/answers.py), by
+    request digest; rows that are errors now (a retried row's older state included) give none."""
+    answers: dict[bytes, dict[str, Any]] = {}
+    size = 0
+    for path in job.part_files():
+        names = pq.read_schema(path).names
+        if ANSWER not in names:
+            continue
+        columns = [ANSWER, ERROR_COLUMN] if ERROR_COLUMN in names else [ANSWER]
+        table = pq.read_table(path, columns=columns)
+        errors = table.column(ERROR_COLUMN).to_pylist() if ERROR_COLUMN in names else [None] * table.num_rows
+        for text, error in zip(table.column(ANSWER).to_pylist(), errors):
+            if not text or error:
+                continue
+            size += len(text)
+            if size > limit_bytes:
+                return answers
+            found = read_record(text, tag)
+            if found is not None:
+                answers[found[0]] = found[1]
+    return answers
 
 
 def error_record(row: dict[str, Any], id_value: Any, input_columns: list[str]) -> dict[str, Any]:

@@ -30,7 +30,8 @@ from typing import Any
 
 from llmbatch.engines.base import Engine, Request
 from llmbatch.errors import EngineDiedError, EngineStartError, StructuredOutputError
-from llmbatch.rows import ERROR_COLUMN, STATS, Row, is_error
+from llmbatch.rows import ANSWER, ERROR_COLUMN, STATS, Row, is_error
+from llmbatch.stages.answers import answer_record, load_known
 from llmbatch.stages.base import Stage
 from llmbatch.stages.check_output import check_structured
 from llmbatch.stages.turns import Turns
@@ -81,6 +82,11 @@ class EngineStage(Stage):
         self._results: collections.OrderedDict[Any, tuple[dict[str, Any], int]] = collections.OrderedDict()
         self._results_bytes = 0
         self.result_cache_bytes = RESULT_CACHE_BYTES
+        #: a job's answers from before (stages/answers.py): a dict or a Ray object of one, set
+        #: by the job's driver with the tag its rows' answer records carry ("": none recorded)
+        self.known_answers: Any = None
+        self.answer_tag = ""
+        self._known: dict[Any, dict[str, Any]] = {}
         self._generation = 0
         self._restart_lock: asyncio.Lock | None = None
         #: requests inside the engine now, and answered so far (the replica's heartbeat)
@@ -126,8 +132,15 @@ class EngineStage(Stage):
             apart = getattr(self.engine, "base_rows_apart", False)
         self._turns = Turns() if apart else None
         self._restart_lock = asyncio.Lock()
+        self._known = load_known(self.known_answers)
         self._ready = True
         self.ready_at = time.time()
+
+    def seed(self, known_answers: Any, tag: str) -> None:
+        """A job's driver: copy these answers (by request digest) to identical requests, and
+        record the answers this run computes under ``tag`` (stages/answers.py)."""
+        self.known_answers = known_answers
+        self.answer_tag = tag
 
     async def close(self) -> None:
         await self.engine.close()
@@ -194,6 +207,8 @@ class EngineStage(Stage):
         key = request.key if self.dedup else None
         if key is None:
             return await self._run(request), False
+        if key in self._known:
+            return self._known[key], True
         if key in self._results:
             self._results.move_to_end(key)
             return self._results[key][0], True
@@ -229,7 +244,7 @@ class EngineStage(Stage):
             result, copied = await self._answer(request)
         except Exception as exc:  # noqa: BLE001
             return self.fail(row, exc)
-        result = dict(result)
+        answer, result = result, dict(result)
         spec = request.extra.get("structured")
         if spec and self.structured_output_errors != "off":
             try:
@@ -242,6 +257,8 @@ class EngineStage(Stage):
             else:
                 if self.structured_output_errors == "warn":
                     result["structured_output_error"] = ""
+        if self.answer_tag and not copied and request.key is not None and isinstance(request.key, bytes):
+            row[ANSWER] = answer_record(self.answer_tag, request.key, answer)
         cached = result.pop("num_cached_tokens", None)
         row.update(result)
         row["batch_uuid"] = batch_uuid

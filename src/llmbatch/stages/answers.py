@@ -1,0 +1,57 @@
+"""Answers a job already has, kept across restarts.
+
+Within a run the engine stage sends identical deterministic requests once (``dedup``); its
+memory of answers dies with the process. A job keeps them: the row whose request reached the
+engine carries an answer record (:data:`~llmbatch.rows.ANSWER`: the request's digest, the
+engine settings' tag and the engine's answer, as JSON text), committed with the row in its part.
+When the job resumes (or retries its error rows), the driver reads the records of its committed
+rows back (``JobDir.committed_answers``) and the engine stage copies those answers to identical
+requests instead of sending them again.
+
+A record counts only under the settings it was made with: the driver tags a run's records with a
+digest of the job's model settings and reads back only records with the current tag, so a
+``retry-errors --set model...`` recomputes. Answers that are not plain JSON (an embedding as an
+array) or larger than :data:`MAX_ANSWER_BYTES` are not recorded; they are recomputed.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+#: the largest answer a row records (bigger answers are recomputed on resume)
+MAX_ANSWER_BYTES = 64 << 10
+
+
+def answer_record(tag: str, key: bytes, result: dict[str, Any]) -> str | None:
+    """The record of ``result``, the engine's answer to the request with digest ``key``; None
+    where it cannot be recorded."""
+    try:  # the prompt is the row's own already (and can be long)
+        text = json.dumps({k: v for k, v in result.items() if k != "prompt"}, separators=(",", ":"), allow_nan=True)
+    except (TypeError, ValueError):
+        return None
+    if len(text) > MAX_ANSWER_BYTES:
+        return None
+    return f'{{"e":{json.dumps(tag)},"k":"{key.hex()}","a":{text}}}'
+
+
+def read_record(text: str, tag: str) -> tuple[bytes, dict[str, Any]] | None:
+    """``(digest, answer)`` of a record made under ``tag``; None for another tag or a damaged one."""
+    try:
+        record = json.loads(text)
+        if record.get("e") != tag or not isinstance(record.get("a"), dict):
+            return None
+        return bytes.fromhex(record["k"]), record["a"]
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return None
+
+
+def load_known(source: Any) -> dict[bytes, dict[str, Any]]:
+    """The known answers a stage was given: a dict, a Ray object holding one, or None."""
+    if source is None:
+        return {}
+    if isinstance(source, dict):
+        return source
+    import ray
+
+    return ray.get(source)
