@@ -13,7 +13,8 @@ import pytest
 
 from llmbatch.errors import ConfigError
 from llmbatch.io.openai_batch import Options, read_openai_batch, validate_batch_file
-from llmbatch.io.readers import READ_ERROR, json_line, read_rows
+from llmbatch.io.json_records import json_line
+from llmbatch.io.readers import READ_ERROR, read_rows
 
 SEED = 20261127
 LINES = 3000

@@ -24,7 +24,8 @@ from typing import Any
 
 from llmbatch.errors import ConfigError
 from llmbatch.io.openai_requests import COMPLETIONS, ENDPOINTS, LATER_ENDPOINTS, RequestError, prompts, translate
-from llmbatch.io.readers import DEFAULT_BATCH_ROWS, READ_ERROR, json_line, open_input
+from llmbatch.io.json_records import json_line
+from llmbatch.io.readers import DEFAULT_BATCH_ROWS, READ_ERROR, open_input
 
 FORMAT = "openai-batch"
 #: Problems listed in full in a failed batch's ``errors`` (and the CLI's message); the rest counted.

@@ -18,13 +18,13 @@ import io
 import json
 import os
 import re
-import sys
 from collections.abc import Iterator
 from typing import Any
 
 import pyarrow as pa
 
 from llmbatch.errors import ConfigError, MissingDependencyError
+from llmbatch.io.json_records import json_records, jsonl_records
 from llmbatch.io.media import is_image_folder, read_image_folder
 
 #: Column carrying a row's read error ("" when the row was read fine).
@@ -33,8 +33,6 @@ FORMATS = ("csv", "jsonl", "json", "parquet", "hf", "images")
 DEFAULT_BATCH_ROWS = 8192
 #: A cell larger than this is kept but the row is flagged (it is almost always a broken file).
 MAX_CELL_BYTES = 64 * 1024 * 1024
-#: How deep a record of a JSON array input may nest (deeper: that item's error).
-MAX_JSON_DEPTH = 512
 
 
 def infer_format(path: str) -> str:
@@ -241,104 +239,16 @@ def read_csv(path: str, batch_rows: int = DEFAULT_BATCH_ROWS) -> Iterator[list[d
 # ---------------------------------------------------------------------------- JSON
 
 
-def _jsonl_records(fh) -> Iterator[Record]:
-    for lineno, raw in enumerate(fh, start=1):
-        if not raw.strip():
-            continue
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            yield {}, f"read: UnicodeDecodeError: line {lineno} is not UTF-8 ({exc.reason} at byte {exc.start})"
-            continue
-        try:
-            value = json_line(text)
-        except ValueError as exc:
-            yield {}, f"read: JSONDecodeError: line {lineno} is not valid JSON ({exc})"
-            continue
-        if isinstance(value, dict):
-            yield value, ""
-        else:
-            yield {}, f"read: JSONLineError: line {lineno} is a JSON {type(value).__name__}, not an object"
-
-
 def read_jsonl(path: str, batch_rows: int = DEFAULT_BATCH_ROWS) -> Iterator[list[dict[str, Any]]]:
     """JSON Lines; a line that is not a JSON object becomes a flagged row."""
     with open_input(path) as fh:
-        yield from _batched(_jsonl_records(fh), batch_rows)
-
-
-def json_line(text: str | bytes) -> Any:
-    """One JSON document (a line); anything the decoder cannot take, too deep a nesting
-    included (``RecursionError``), is a ValueError that says so."""
-    try:
-        return json.loads(text)
-    except RecursionError:
-        raise ValueError(f"nested more than Python's recursion limit allows ({sys.getrecursionlimit()})") from None
-
-
-def _json_events_to_records(events: Iterator[tuple[str, Any]]) -> Iterator[Record]:
-    """Records from ijson's parse events of ``[{...}, ...]`` or ``{"data": [...]}``: an item
-    nested deeper than :data:`MAX_JSON_DEPTH` or not an object is that item's error."""
-    from ijson.common import ObjectBuilder
-
-    depth, items_at, key, index = 0, None, None, 0
-    builder, too_deep = None, False
-    for event, value in events:
-        opens, closes = event in ("start_map", "start_array"), event in ("end_map", "end_array")
-        if items_at is not None and depth == items_at and not closes:  # an item begins
-            if not opens:
-                yield {}, f"read: JSONRecordError: item {index} is a {type(value).__name__}, not an object"
-                index += 1
-                continue
-            builder, too_deep = ObjectBuilder(), False
-        depth += opens - closes
-        if builder is not None:
-            too_deep = too_deep or depth - items_at > MAX_JSON_DEPTH
-            if not too_deep:
-                builder.event(event, value)
-            if depth == items_at:
-                if too_deep:
-                    yield {}, f"read: JSONRecordError: item {index} is nested more than {MAX_JSON_DEPTH} deep"
-                elif isinstance(builder.value, dict):
-                    yield builder.value, ""
-                else:
-                    yield {}, f"read: JSONRecordError: item {index} is a list, not an object"
-                builder, index = None, index + 1
-            continue
-        if event == "map_key" and depth == 1:
-            key = value
-        elif event == "start_array" and (depth == 1 or (depth == 2 and key == "data")):
-            items_at = depth if items_at is None else items_at
-        elif closes and items_at is not None and depth < items_at:
-            return
-
-
-def _json_records(fh) -> Iterator[Record]:
-    index = 0
-    try:
-        import ijson
-    except ImportError:
-        ijson = None
-    try:
-        if ijson is not None:
-            for index, record in enumerate(_json_events_to_records(ijson.basic_parse(fh, use_float=True))):
-                yield record
-            return
-        data = json_line(fh.read())
-    except (ValueError, RecursionError) + ((ijson.JSONError,) if ijson is not None else ()) as exc:
-        raise ConfigError(f"the input is not valid JSON (after {index:,} items): {exc}") from None
-    items = data.get("data", data) if isinstance(data, dict) else data
-    for i, value in enumerate(items if isinstance(items, list) else []):
-        if isinstance(value, dict):
-            yield value, ""
-        else:
-            yield {}, f"read: JSONRecordError: item {i} is a {type(value).__name__}, not an object"
+        yield from _batched(jsonl_records(fh), batch_rows)
 
 
 def read_json(path: str, batch_rows: int = DEFAULT_BATCH_ROWS) -> Iterator[list[dict[str, Any]]]:
     """A JSON array of objects (or {"data": [...]}). Streams with ijson when it is installed."""
     with open_input(path) as fh:
-        yield from _batched(_json_records(fh), batch_rows)
+        yield from _batched(json_records(fh), batch_rows)
 
 
 # ---------------------------------------------------------------------------- Parquet, HF

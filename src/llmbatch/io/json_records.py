@@ -1,0 +1,106 @@
+"""JSON input records, decoded so that no record can stop the read: JSON Lines one line at a
+time (a line that does not decode, too deep a nesting included, is that line's error), and a
+JSON array (``[{...}, ...]`` or ``{"data": [...]}``) from ijson's parse events, with a nesting
+bound per item (ijson's ``items()`` builds a path string per level: quadratic in the depth).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+from llmbatch.errors import ConfigError
+
+#: How deep a record of a JSON array input may nest (deeper: that item's error).
+MAX_JSON_DEPTH = 512
+Record = tuple[dict[str, Any], str]  # a row and its read error ("" when it was read fine)
+
+
+def jsonl_records(fh) -> Iterator[Record]:
+    for lineno, raw in enumerate(fh, start=1):
+        if not raw.strip():
+            continue
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            yield {}, f"read: UnicodeDecodeError: line {lineno} is not UTF-8 ({exc.reason} at byte {exc.start})"
+            continue
+        try:
+            value = json_line(text)
+        except ValueError as exc:
+            yield {}, f"read: JSONDecodeError: line {lineno} is not valid JSON ({exc})"
+            continue
+        if isinstance(value, dict):
+            yield value, ""
+        else:
+            yield {}, f"read: JSONLineError: line {lineno} is a JSON {type(value).__name__}, not an object"
+
+
+def json_line(text: str | bytes) -> Any:
+    """One JSON document (a line); anything the decoder cannot take, too deep a nesting
+    included (``RecursionError``), is a ValueError that says so."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError(f"nested more than Python's recursion limit allows ({sys.getrecursionlimit()})") from None
+
+
+def _json_events_to_records(events: Iterator[tuple[str, Any]]) -> Iterator[Record]:
+    """Records from ijson's parse events of ``[{...}, ...]`` or ``{"data": [...]}``: an item
+    nested deeper than :data:`MAX_JSON_DEPTH` or not an object is that item's error."""
+    from ijson.common import ObjectBuilder
+
+    depth, items_at, key, index = 0, None, None, 0
+    builder, too_deep = None, False
+    for event, value in events:
+        opens, closes = event in ("start_map", "start_array"), event in ("end_map", "end_array")
+        if items_at is not None and depth == items_at and not closes:  # an item begins
+            if not opens:
+                yield {}, f"read: JSONRecordError: item {index} is a {type(value).__name__}, not an object"
+                index += 1
+                continue
+            builder, too_deep = ObjectBuilder(), False
+        depth += opens - closes
+        if builder is not None:
+            too_deep = too_deep or depth - items_at > MAX_JSON_DEPTH
+            if not too_deep:
+                builder.event(event, value)
+            if depth == items_at:
+                if too_deep:
+                    yield {}, f"read: JSONRecordError: item {index} is nested more than {MAX_JSON_DEPTH} deep"
+                elif isinstance(builder.value, dict):
+                    yield builder.value, ""
+                else:
+                    yield {}, f"read: JSONRecordError: item {index} is a list, not an object"
+                builder, index = None, index + 1
+            continue
+        if event == "map_key" and depth == 1:
+            key = value
+        elif event == "start_array" and (depth == 1 or (depth == 2 and key == "data")):
+            items_at = depth if items_at is None else items_at
+        elif closes and items_at is not None and depth < items_at:
+            return
+
+
+def json_records(fh) -> Iterator[Record]:
+    index = 0
+    try:
+        import ijson
+    except ImportError:
+        ijson = None
+    try:
+        if ijson is not None:
+            for index, record in enumerate(_json_events_to_records(ijson.basic_parse(fh, use_float=True))):
+                yield record
+            return
+        data = json_line(fh.read())
+    except (ValueError, RecursionError) + ((ijson.JSONError,) if ijson is not None else ()) as exc:
+        raise ConfigError(f"the input is not valid JSON (after {index:,} items): {exc}") from None
+    items = data.get("data", data) if isinstance(data, dict) else data
+    for i, value in enumerate(items if isinstance(items, list) else []):
+        if isinstance(value, dict):
+            yield value, ""
+        else:
+            yield {}, f"read: JSONRecordError: item {i} is a {type(value).__name__}, not an object"
