@@ -184,3 +184,25 @@ def test_only_regular_files_are_read_and_never_past_the_cap(tmp_path):
             media_bytes(path, policy)
         with pytest.raises(RowValidationError):
             media_bytes(f"file://{path}", policy)
+
+
+def test_parts_the_engine_fetches_itself_must_be_data_urls_for_client_rows(servers):
+    """vLLM reads video_url parts itself, past every check here: rows from clients may give
+    them only as data: URLs (the operator's own rows keep URLs, held to allowed_media_domains)."""
+    from llmbatch.stages.multimodal import prepare_messages
+
+    target, _, _ = servers
+
+    def video(url):
+        return [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}},
+                                             {"type": "text", "text": "What happens?"}]}]
+
+    public = MediaPolicy.for_access("public")
+    for url in (f"http://127.0.0.1:{target.port}/v.mp4", "https://example.com/v.mp4", "file:///etc/passwd"):
+        with pytest.raises(RowValidationError, match="must be data: URLs"):
+            prepare_messages(video(url), public)
+    prepare_messages(video("data:video/mp4;base64,AAAA"), public)
+    prepare_messages(video("https://example.com/v.mp4"), MediaPolicy.for_access("local"))
+    with pytest.raises(RowValidationError, match="not in allowed_media_domains"):
+        prepare_messages(video("https://evil.example.net/v.mp4"), MediaPolicy(allowed_media_domains=["example.com"]))
+    assert target.seen == []
