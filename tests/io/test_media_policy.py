@@ -206,3 +206,28 @@ def test_parts_the_engine_fetches_itself_must_be_data_urls_for_client_rows(serve
     with pytest.raises(RowValidationError, match="not in allowed_media_domains"):
         prepare_messages(video("https://evil.example.net/v.mp4"), MediaPolicy(allowed_media_domains=["example.com"]))
     assert target.seen == []
+
+
+def test_https_goes_to_the_checked_address_with_the_urls_name_for_the_certificate(tmp_path, monkeypatch,
+                                                                                  redirector_is_public):
+    """Over TLS the pinned connection still verifies the certificate against the URL's host
+    (SNI and hostname check), not against the address it connects to."""
+    import ssl
+    import subprocess
+
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj",
+                    "/CN=media.example.test", "-addext", "subjectAltName=DNS:media.example.test",
+                    "-keyout", str(tmp_path / "key.pem"), "-out", str(tmp_path / "cert.pem")],
+                   check=True, capture_output=True)
+    server = MediaServer("127.0.0.2")
+    tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    tls.load_cert_chain(tmp_path / "cert.pem", tmp_path / "key.pem")
+    server.server.socket = tls.wrap_socket(server.server.socket, server_side=True)
+    trusted = ssl.create_default_context(cafile=str(tmp_path / "cert.pem"))
+    monkeypatch.setattr(media_fetch.ssl, "create_default_context", lambda: trusted)
+    try:
+        public = MediaPolicy.for_access("public", timeout_s=5, retries=0)
+        assert load_image(f"https://media.example.test:{server.port}/a.png", public).size == (4, 4)
+        assert server.seen == [("/a.png", f"media.example.test:{server.port}")]
+    finally:
+        server.close()
