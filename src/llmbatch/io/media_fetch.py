@@ -58,9 +58,9 @@ def resolve(host: str, port: int) -> list[str]:
     return list(dict.fromkeys(info[4][0] for info in infos))
 
 
-def check_hop(url: str, policy: Any) -> tuple[Any, str | None]:
+def check_hop(url: str, policy: Any) -> tuple[Any, list[str] | None]:
     """Check one URL (the first or a redirect's target); returns its parts and, where addresses
-    are checked, the address to connect to. Raises RowValidationError when it is refused."""
+    are checked, the addresses to connect to. Raises RowValidationError when it is refused."""
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https"):
         raise RowValidationError(f"media URL {short_url(url)!r}: only http(s) URLs are fetched")
@@ -78,20 +78,31 @@ def check_hop(url: str, policy: Any) -> tuple[Any, str | None]:
     if not addresses or not all(is_public(a) for a in addresses):
         raise RowValidationError(f"media URL {short_url(url)!r} resolves to a loopback, private, link-local or "
                                  "reserved address, which rows from API clients may not reach")
-    return parts, addresses[0]
+    return parts, addresses
 
 
-def _pinned_get(parts: Any, address: str, policy: Any) -> http.client.HTTPResponse:
-    """GET ``parts`` from ``address`` (the checked one), with the URL's host for Host, SNI and
-    the certificate check."""
+def _connect_any(addresses: list[str], port: int, timeout: float, source: Any) -> socket.socket:
+    """A connection to the first of ``addresses`` (all checked) that answers."""
+    last: OSError | None = None
+    for address in addresses:
+        try:
+            return socket.create_connection((address, port), timeout, source)
+        except OSError as exc:
+            last = exc
+    raise last or OSError("no address to connect to")
+
+
+def _pinned_get(parts: Any, addresses: list[str], policy: Any) -> http.client.HTTPResponse:
+    """GET ``parts`` from one of ``addresses`` (the checked ones), with the URL's host for Host,
+    SNI and the certificate check."""
     host, port = parts.hostname, parts.port
     if parts.scheme == "https":
         conn: http.client.HTTPConnection = http.client.HTTPSConnection(
             host, port, timeout=policy.timeout_s, context=ssl.create_default_context())
     else:
         conn = http.client.HTTPConnection(host, port, timeout=policy.timeout_s)
-    target = (address, conn.port)
-    conn._create_connection = lambda _addr, timeout, source: socket.create_connection(target, timeout, source)
+    port = conn.port
+    conn._create_connection = lambda _addr, timeout, source: _connect_any(addresses, port, timeout, source)
     path = parts.path or "/"
     conn.request("GET", path + (f"?{parts.query}" if parts.query else ""), headers={"User-Agent": "llmbatch"})
     return conn.getresponse()
@@ -105,10 +116,10 @@ class _NoRedirects(urllib.request.HTTPRedirectHandler):
 _OPENER = urllib.request.build_opener(_NoRedirects)
 
 
-def _get(url: str, parts: Any, address: str | None, policy: Any) -> tuple[int, Any, Any]:
+def _get(url: str, parts: Any, addresses: list[str] | None, policy: Any) -> tuple[int, Any, Any]:
     """(status, headers, response) of one GET, redirects not followed."""
-    if address is not None:
-        resp = _pinned_get(parts, address, policy)
+    if addresses is not None:
+        resp = _pinned_get(parts, addresses, policy)
         return resp.status, resp.headers, resp
     try:
         resp = _OPENER.open(urllib.request.Request(url, headers={"User-Agent": "llmbatch"}), timeout=policy.timeout_s)
@@ -129,9 +140,9 @@ def _read(resp: Any, url: str, policy: Any) -> bytes:
 
 def _fetch_once(url: str, policy: Any) -> bytes:
     for _ in range(policy.max_redirects + 1):
-        parts, address = check_hop(url, policy)
+        parts, addresses = check_hop(url, policy)
         try:
-            status, headers, resp = _get(url, parts, address, policy)
+            status, headers, resp = _get(url, parts, addresses, policy)
         except RowValidationError:
             raise
         except (urllib.error.URLError, http.client.HTTPException, TimeoutError, OSError, ValueError) as exc:
