@@ -418,6 +418,29 @@ def test_a_second_server_on_the_same_data_dir_is_refused(tmp_path):
     os.close(hold_data_dir(tmp_path))  # free again once the first is gone
 
 
+def test_a_second_server_on_the_same_database_is_refused_while_the_first_holds_its_lease(tmp_path, monkeypatch):
+    from llmbatch.server import main
+    from llmbatch.server.db import Database
+
+    url = f"sqlite:///{tmp_path / 'shared.db'}"
+    first = Database(url)
+    assert first.claim_lease("server one", 60, now=time.time()) is None
+    assert first.claim_lease("server one", 60, now=time.time()) is None  # renewed
+    monkeypatch.setattr(main.uvicorn, "run", lambda app, **kwargs: None)
+    settings = dict(model="smollm2-135m-instruct", api_keys=frozenset({KEY_A}), database_url=url)
+    with pytest.raises(ConfigError, match="another llmbatch serve \\(server one\\) runs the batches of this database"):
+        main.serve(ServerSettings(data_dir=tmp_path / "two", **settings))
+    assert first.claim_lease("server one", 60, now=time.time() - 120) is None  # its last renewal: 2 minutes ago
+    main.serve(ServerSettings(data_dir=tmp_path / "three", **settings))  # takes the stale lease
+    assert first.claim_lease("server four", 60, now=time.time()) is None  # server three let it go when it stopped
+    assert first.claim_lease("server one", 60, now=time.time()) == "server four"
+    killed = f"{os.uname().nodename}:{(tmp_path / 'five').resolve()} pid 1 feed"
+    first.release_lease("server four")
+    assert first.claim_lease(killed, 60, now=time.time()) is None  # a server SIGKILLed a moment ago
+    main.serve(ServerSettings(data_dir=tmp_path / "five", **settings))  # its own data dir's: taken over
+    first.close()
+
+
 # -- M5 and the Low items about keys, --no-auth and TLS -----------------------------------------
 
 def test_a_hash_inside_a_key_is_part_of_it_and_short_keys_are_refused(tmp_path):

@@ -135,8 +135,8 @@ def test_database_is_migrated_with_alembic(tmp_path):
     from llmbatch.server.db import Database
 
     db = Database(f"sqlite:///{tmp_path / 'x.db'}")
-    assert db.revision == "0002"
-    assert Database(f"sqlite:///{tmp_path / 'x.db'}").revision == "0002"  # a second start changes nothing
+    assert db.revision == "0003"
+    assert Database(f"sqlite:///{tmp_path / 'x.db'}").revision == "0003"  # a second start changes nothing
 
 
 def test_start_up_refuses_no_key_and_open_no_auth(tmp_path, monkeypatch):

@@ -55,6 +55,7 @@ class Database:
         self.meta = sa.MetaData()
         self.files = sa.Table("files", self.meta, autoload_with=self.engine)
         self.batches = sa.Table("batches", self.meta, autoload_with=self.engine)
+        self.lease = sa.Table("server_lease", self.meta, autoload_with=self.engine)
 
     # -- generic -----------------------------------------------------------------------------
 
@@ -135,6 +136,34 @@ class Database:
     def delete_file(self, file_id: str) -> bool:
         with self.engine.begin() as conn:
             return conn.execute(self.files.delete().where(self.files.c.id == file_id)).rowcount == 1
+
+    # -- the server lease --------------------------------------------------------------------
+
+    def claim_lease(self, holder: str, ttl_s: float, now: float, place: str | None = None) -> str | None:
+        """Take or renew the lease on this database's batches for ``ttl_s`` seconds; returns
+        None when ``holder`` has it, else who does (a live server). An expired lease is taken,
+        and so is one whose holder starts with ``place`` (a server of the same host and data
+        dir, whose lock the caller now holds: that server is gone)."""
+        lease = self.lease
+        try:
+            with self.engine.begin() as conn:
+                row = conn.execute(sa.select(lease).where(lease.c.id == 1)).mappings().first()
+                if row is None:
+                    conn.execute(lease.insert().values(id=1, holder=holder, expires_at=now + ttl_s))
+                    return None
+                ours = row["holder"] == holder or (place is not None and row["holder"].startswith(place))
+                if not ours and row["expires_at"] > now:
+                    return row["holder"]
+                taken = conn.execute(lease.update().where(lease.c.id == 1, lease.c.holder == row["holder"],
+                                                          lease.c.expires_at == row["expires_at"])
+                                     .values(holder=holder, expires_at=now + ttl_s)).rowcount
+                return None if taken == 1 else "another server (it renewed its lease just now)"
+        except sa.exc.IntegrityError:  # another server inserted the lease first
+            return "another server (it took the lease just now)"
+
+    def release_lease(self, holder: str) -> None:
+        with self.engine.begin() as conn:
+            conn.execute(self.lease.delete().where(self.lease.c.id == 1, self.lease.c.holder == holder))
 
     def close(self) -> None:
         self.engine.dispose()

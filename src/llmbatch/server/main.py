@@ -1,7 +1,8 @@
 """``llmbatch serve``: check the settings, take the data dir (one server per data dir: a second
 is refused with a clear error, as two would run and fail each other's batches), open the
-database and the file store, and listen (with TLS when given ``--ssl-certfile``/``--ssl-keyfile``;
-a warning when keys would travel in clear off loopback).
+database and take its lease (one server per database too), open the file store, and listen
+(with TLS when given ``--ssl-certfile``/``--ssl-keyfile``; a warning when keys would travel in
+clear off loopback).
 
 Needs the ``serve`` extra (FastAPI, uvicorn, SQLAlchemy, Alembic): the CLI imports this
 module only for ``serve``, and says what to install when it cannot.
@@ -13,6 +14,8 @@ import copy
 import fcntl
 import logging
 import os
+import secrets
+import time
 from pathlib import Path
 from typing import Any
 
@@ -93,10 +96,19 @@ def serve(settings: ServerSettings, log_level: str = "info") -> None:
     template = job_template(settings)
     endpoints, options = probe(settings, template)
     db = Database(settings.db_url)
+    place = f"{os.uname().nodename}:{settings.data_dir} "  # a server killed here left it: take it over
+    holder = f"{place}pid {os.getpid()} {secrets.token_hex(4)}"
+    other = db.claim_lease(holder, settings.lease_s, time.time(), place=place)
+    if other is not None:
+        db.close()
+        os.close(lock)
+        raise ConfigError(f"another llmbatch serve ({other}) runs the batches of this database (--database-url); two "
+                          "would run each other's batches: stop it, or give this server its own database")
     store = FileStore(settings.files_root)
     if settings.files_url is None:  # the data dir's own store: no other server writes there (the lock)
         store.remove_partial()
     runner = BatchRunner(settings, db, store, template, options)
+    runner.lease = holder
     app = create_app(settings, db, store, runner, endpoints, options.models or [])
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logger.info("serving %s (%s) on %s:%s; data in %s; auth %s", options.models[0] if options.models else "?",
@@ -109,5 +121,6 @@ def serve(settings: ServerSettings, log_level: str = "info") -> None:
         uvicorn.run(app, host=settings.host, port=settings.port, log_level=log_level, access_log=True,
                     ssl_certfile=settings.ssl_certfile, ssl_keyfile=settings.ssl_keyfile)
     finally:
+        db.release_lease(holder)
         db.close()
         os.close(lock)

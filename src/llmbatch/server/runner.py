@@ -15,6 +15,9 @@ One thread owns every transition after ``POST /v1/batches``:
   ``batch_expired`` (every line, for a batch stopped before its job read the input).
 - Files past their ``expires_at`` are deleted (every ``sweep_s``), unless a running batch reads one.
 
+While it runs, the server renews its lease on the database (``Database.claim_lease``); a
+runner that lost it (a server that stalled past ``lease_s`` and was replaced) moves nothing.
+
 Everything is state in the database and the job directories, so a restarted server (even
 after SIGKILL) picks up where the last one was: running batches resume from their parts.
 """
@@ -68,6 +71,8 @@ class BatchRunner:
         self.wake = threading.Event()
         self.stopping = threading.Event()
         self.swept = 0.0
+        self.lease: str | None = None   # the holder name this server took the database's lease as
+        self.renewed = 0.0
         self.thread = threading.Thread(target=self._loop, name="llmbatch-runner", daemon=True)
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -97,6 +102,13 @@ class BatchRunner:
     # -- one step ----------------------------------------------------------------------------
 
     def tick(self) -> None:
+        if self.lease and time.monotonic() - self.renewed >= self.settings.lease_s / 3:
+            other = self.db.claim_lease(self.lease, self.settings.lease_s, time.time())
+            if other is not None:
+                logger.error("the database's lease is held by %s: this server runs no batch until it has it back",
+                             other)
+                return
+            self.renewed = time.monotonic()
         now = int(time.time())
         for batch in self.db.batches_in(ACTIVE):
             if batch["expires_at"] and now >= batch["expires_at"] and batch["status"] in ("validating", "in_progress") \

@@ -58,6 +58,7 @@ class ServerSettings:
     ssl_keyfile: str | None = None
     poll_s: float = 0.5
     sweep_s: float = 60.0                                 # how often expired files are deleted
+    lease_s: float = 60.0                                 # the database lease a live server renews (one per database)
 
     @property
     def db_url(self) -> str:
