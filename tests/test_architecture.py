@@ -13,7 +13,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "llmbatch"
 LAYERS = [
     ["errors", "rows", "redact", "codec", "startlog"],
     ["io", "models", "toy_models", "engines", "progress", "reaper", "sample_data", "sample_images", "sample_audio",
-     "install_check", "cluster", "watchdog"],
+     "install_check", "cluster", "watchdog", "terminal", "report", "model_names"],
     ["config", "stages"],
     ["processor", "builders", "deployments"],
     ["jobs", "demo"],

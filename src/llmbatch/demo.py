@@ -15,6 +15,7 @@ from pathlib import Path
 from llmbatch.jobs.run import run_job
 from llmbatch.jobs.spec import load_job
 from llmbatch.models import DEFAULT_MODEL
+from llmbatch.progress import rates_text
 from llmbatch.sample_data import INDUSTRIES, known_industry, write_customers_csv
 
 # Few-shot examples, one per label, written as the chat turns they stand for: SmolLM2-135M
@@ -112,6 +113,9 @@ def run_demo(rows: int = 2000, out_dir: str = "demo-output", model: str = DEFAUL
         "errors": stats["rows_error"],
         "wall_s": round(wall, 1),
         "rows_per_s": stats["rows_per_s"],
+        "window": stats.get("window"),
+        "window_s": stats.get("window_s"),
+        "startup_s": stats.get("startup_s"),
         "generated_tokens_per_s": stats["generated_tokens_per_s"],
         "delivered_tokens_per_s": stats["delivered_tokens_per_s"],
         "steady_generated_tokens_per_s": stats.get("steady_generated_tokens_per_s"),
@@ -120,9 +124,6 @@ def run_demo(rows: int = 2000, out_dir: str = "demo-output", model: str = DEFAUL
         "accuracy_rows": scored,
     }
     console.print(f"results: [bold]{summary['output']}[/bold] ({summary['rows']:,} rows, {summary['errors']} errors)")
-    console.print(
-        f"throughput: {summary['rows_per_s']:.1f} rows/s, {summary['generated_tokens_per_s']:.1f} tokens/s generated "
-        f"by the engine, {summary['delivered_tokens_per_s']:.1f} tokens/s delivered (answers copied by dedup included) "
-        f"over {summary['wall_s']} s including engine start; job directory {spec.job_dir}"
-    )
+    # the job's own figures (stats.json): its live view ended on them and `llmbatch status` shows them
+    console.print(f"throughput: {rates_text(stats)}; job directory {spec.job_dir}")
     return summary

@@ -114,6 +114,7 @@ class Processor:
     def __init__(self, config: ProcessorConfig, layout: Layout):
         self.config = config
         self.layout = layout
+        self.run_id: str | None = None  # the last run's id: its replicas' heartbeats carry it
 
     # -- introspection -----------------------------------------------------------------------
 
@@ -240,7 +241,7 @@ class Processor:
         # never be placed, and fails the run with the reason instead of waiting.
         ctx.wait_for_min_actors_s = -1
         ctx.execution_no_progress_timeout_s = -1  # ours (below) knows a busy engine from a stall
-        run_id = uuid.uuid4().hex
+        run_id = self.run_id = uuid.uuid4().hex  # a job's live view reads the start-up phase from its heartbeats
         watch(ctx, run_id, lay.stall_timeout_s)
         if _joins_datasets(ds):
             # a union of a pandas-backed dataset (from_pandas, a pandas map_batches) and an Arrow

@@ -3,7 +3,15 @@
 While a job runs, :class:`Progress` shows rows done/total, rows/s, input and output tokens/s,
 errors, ETA and per-replica activity (a rich live table on a TTY, a plain line every few
 seconds otherwise), and writes ``progress.json`` in the job directory once a second so that
-``llmbatch status`` can show the same from another terminal.
+``llmbatch status`` can show the same from another terminal. Before the first answer it shows
+the start-up phase instead (:data:`PHASES`), read from the replicas' heartbeats.
+
+One set of figures: rates are computed here only, over a named window. While rows arrive, the
+window is the last :data:`WINDOW_S` seconds (what the ETA needs); once the run ends, it is the
+whole run since it started (start-up included: what the user waited). The last live frame,
+the end-of-run summary (``stats.json``) and ``llmbatch status`` show that same final snapshot,
+worded by :func:`rates_text`. Pooling tasks (embed, classify, score) generate no tokens: they
+report rows/s and items/s (answers: embeddings, labels, scores).
 """
 
 from __future__ import annotations
@@ -15,10 +23,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from llmbatch.errors import MissingDependencyError
 from llmbatch.io.files import atomic_write_json
+from llmbatch.watchdog import HEARTBEAT_FRESH_S, read_heartbeats
 
 WINDOW_S = 30.0
+#: What a run does before its first answer, in order (the driver and the replicas' heartbeats say which).
+PHASES = ("preparing the job", "starting Ray", "placing replicas", "loading the model", "waiting for the first answer")
+#: What one answered row is, per pooling task (they report items/s, not generated tokens).
+ITEMS = {"embed": "embeddings", "classify": "labels", "score": "scores"}
+#: How often the replicas' heartbeats are read while the run starts.
+BEATS_EVERY_S = 2.0
 
 
 def fmt_duration(seconds: float | None) -> str:
@@ -37,12 +51,18 @@ class Progress:
 
     def __init__(self, total: int, done_before: int = 0, errors_before: int = 0, *,
                  progress_path: Path | None = None, tty: bool | None = None, log_every: float = 10.0,
-                 quiet: bool = False, label: str = "llmbatch"):
+                 quiet: bool = False, label: str = "llmbatch", task: str = "generate", out: Any = None,
+                 err: Any = None):
+        """``out`` and ``err``: the terminal's streams for the live view and the log lines
+        (default: ``sys.stdout`` and ``sys.stderr`` when shown)."""
         self.total = total
+        self.task = task
+        self.out = out
+        self.err = err
         self.done_before = done_before
         self.errors_before = errors_before
         self.progress_path = progress_path
-        self.tty = sys.stderr.isatty() if tty is None else tty
+        self.tty = (err or sys.stderr).isatty() if tty is None else tty
         self.log_every = log_every
         self.quiet = quiet
         self.label = label
@@ -60,14 +80,43 @@ class Progress:
         self.error_types: collections.Counter[str] = collections.Counter()
         self.replicas: collections.Counter[str] = collections.Counter()
         self.timeline: list[tuple[float, int, int, int]] = []  # (t, rows, in_tokens, generated_tokens)
-        self._recent: collections.deque[tuple[float, int, int, int, int, dict[str, int]]] = collections.deque()
+        # (t, rows, in_tokens, generated_tokens, delivered_tokens, rows by replica, answered rows)
+        self._recent: collections.deque[tuple[float, int, int, int, int, dict[str, int], int]] = collections.deque()
         self.state = "running"
+        self.ended_at: float | None = None
+        self.phase = PHASES[0]
+        self.phase_since = self.started
+        self._run_id: str | None = None
+        self._beats_read = 0.0
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._tick_lock = threading.Lock()  # a snapshot is written whole, and never after a newer one
         self._thread: threading.Thread | None = None
         self._live = None
         self._last_log = 0.0
+
+    # -- the start-up phase ------------------------------------------------------------------
+
+    def set_phase(self, phase: str) -> None:
+        """Enter a start-up phase (one of :data:`PHASES`); the first answer ends them."""
+        if phase != self.phase:
+            self.phase, self.phase_since = phase, time.time()
+
+    def watch_replicas(self, run_id: str | None) -> None:
+        """Follow the start-up of a processor run's replicas (their heartbeats) until the first
+        answer: placing them, loading the model, waiting for the first answer."""
+        self._run_id = run_id
+        self.set_phase(PHASES[2])
+
+    def _read_beats(self) -> None:
+        if self._run_id is None or self.first_row_at is not None or time.time() - self._beats_read < BEATS_EVERY_S:
+            return
+        self._beats_read = time.time()
+        beats = [b for b in read_heartbeats(self._run_id) if time.time() - float(b.get("at", 0)) < HEARTBEAT_FRESH_S]
+        if any(b.get("state") == "starting" for b in beats):
+            self.set_phase(PHASES[3])
+        elif beats:
+            self.set_phase(PHASES[4])
 
     # -- counting ----------------------------------------------------------------------------
 
@@ -92,7 +141,7 @@ class Progress:
             self.deduped += deduped
             self.error_types.update(error_types or {})
             self.replicas.update(replicas or {})
-            self._recent.append((now, ok + errors, in_tokens, generated_tokens, delivered_tokens, dict(replicas or {})))
+            self._recent.append((now, ok + errors, in_tokens, generated_tokens, delivered_tokens, dict(replicas or {}), ok))
 
     @property
     def done(self) -> int:
@@ -104,19 +153,29 @@ class Progress:
             while self._recent and now - self._recent[0][0] > WINDOW_S:
                 self._recent.popleft()
             span = max(1e-6, min(WINDOW_S, now - (self.first_row_at or now)) or 1e-6)
-            recent_rows = sum(r[1] for r in self._recent)
-            recent_in = sum(r[2] for r in self._recent)
-            recent_gen = sum(r[3] for r in self._recent)
-            recent_del = sum(r[4] for r in self._recent)
             per_replica: collections.Counter[str] = collections.Counter()
             for r in self._recent:
                 per_replica.update(r[5])
-            elapsed = now - self.started
-            rows_per_s = recent_rows / span if self.first_row_at else 0.0
+            elapsed = (self.ended_at or now) - self.started
+            if self.ended_at is None:  # running: the last WINDOW_S seconds (what the ETA needs)
+                window, seconds = f"last {WINDOW_S:.0f} s", span
+                counts = [sum(r[i] for r in self._recent) for i in range(1, 5)]
+                items = sum(r[6] for r in self._recent)
+            else:  # over: the whole run, start-up included
+                window, seconds = "since start", max(1e-6, elapsed)
+                counts = [self.ok + self.errors, self.in_tokens, self.generated_tokens, self.delivered_tokens]
+                items = self.ok  # answered rows: an embedding, a label or a score each
+            answering = self.first_row_at is not None
+            rates = [round(c / seconds, 3 if i == 0 else 1) if answering else 0.0 for i, c in enumerate(counts)]
+            recent_rows = sum(r[1] for r in self._recent) / span if answering else 0.0
             remaining = self.total - self.done
-            eta = remaining / rows_per_s if rows_per_s > 0 else None
+            eta_rate = rates[0] if self.ended_at is not None else recent_rows
+            eta = remaining / eta_rate if eta_rate > 0 else None
             return {
                 "state": self.state,
+                "task": self.task,
+                "phase": "answering" if answering else self.phase,
+                "phase_s": round(now - (self.first_row_at or self.phase_since), 1),
                 "rows_total": self.total,
                 "rows_done": self.done,
                 "rows_ok": self.done_before - self.errors_before + self.ok,
@@ -124,10 +183,14 @@ class Progress:
                 "this_run": {"ok": self.ok, "errors": self.errors, "input_tokens": self.in_tokens,
                              "generated_tokens": self.generated_tokens, "delivered_tokens": self.delivered_tokens,
                              "cached_tokens": self.cached_tokens, "deduplicated_rows": self.deduped},
-                "rows_per_s": round(rows_per_s, 3),
-                "input_tokens_per_s": round(recent_in / span, 1) if self.first_row_at else 0.0,
-                "generated_tokens_per_s": round(recent_gen / span, 1) if self.first_row_at else 0.0,
-                "delivered_tokens_per_s": round(recent_del / span, 1) if self.first_row_at else 0.0,
+                "window": window,
+                "window_s": round(seconds, 2),
+                "startup_s": round(self.first_row_at - self.started, 2) if answering else None,
+                "rows_per_s": rates[0],
+                "items_per_s": round(items / seconds, 3) if answering else 0.0,
+                "input_tokens_per_s": rates[1],
+                "generated_tokens_per_s": rates[2],
+                "delivered_tokens_per_s": rates[3],
                 "elapsed_s": round(elapsed, 1),
                 "eta_s": None if eta is None else round(eta, 1),
                 "error_types": dict(self.error_types),
@@ -141,10 +204,9 @@ class Progress:
         pct = 100.0 * snap["rows_done"] / max(1, snap["rows_total"])
         if self.first_row_at is None:
             return (f"[{self.label}] {snap['rows_done']:,}/{snap['rows_total']:,} rows ({pct:.1f}%) | starting: "
-                    f"engine replicas are loading the model ({fmt_duration(snap['elapsed_s'])})")
+                    f"{snap['phase']} ({fmt_duration(snap['elapsed_s'])})")
         return (f"[{self.label}] {snap['rows_done']:,}/{snap['rows_total']:,} rows ({pct:.1f}%) | "
-                f"{snap['rows_per_s']:.1f} rows/s | in {snap['input_tokens_per_s']:.0f} tok/s | "
-                f"out {_out_rates(snap)} | errors {snap['rows_error']:,} | "
+                f"{rates_text(snap)} | errors {snap['rows_error']:,} | "
                 f"ETA {fmt_duration(snap['eta_s'])} | replicas {len(snap['replicas'])}")
 
     def _table(self, snap: dict[str, Any]):
@@ -156,11 +218,17 @@ class Progress:
         table.add_column()
         table.add_row("rows", ProgressBar(total=max(1, snap["rows_total"]), completed=snap["rows_done"], width=40))
         table.add_row("", f"{snap['rows_done']:,} / {snap['rows_total']:,}  ({snap['rows_error']:,} errors)")
-        table.add_row("throughput", f"{snap['rows_per_s']:.1f} rows/s   in {snap['input_tokens_per_s']:.0f} tok/s   "
-                                    f"out {_out_rates(snap)}")
+        if self.first_row_at is None and snap["state"] == "running":
+            table.add_row("starting", f"{snap['phase']} ({fmt_duration(snap['phase_s'])})")
+        else:
+            table.add_row("throughput", rates_text(snap))
         table.add_row("elapsed / ETA", f"{fmt_duration(snap['elapsed_s'])} / {fmt_duration(snap['eta_s'])}")
-        for name, rate in sorted(snap["replicas"].items()):
-            table.add_row(f"replica {name}", f"{rate:.1f} rows/s")
+        if snap["state"] == "running":
+            for name, rate in sorted(snap["replicas"].items()):
+                table.add_row(f"replica {name}", f"{rate:.1f} rows/s")
+        else:  # the run is over: what each replica did (its rate over the last seconds says nothing now)
+            for name, rows in sorted(self.replicas.items()):
+                table.add_row(f"replica {name}", f"{rows:,} rows")
         if snap["error_types"]:
             table.add_row("errors by type", ", ".join(f"{k}: {v}" for k, v in sorted(snap["error_types"].items())))
         return table
@@ -171,6 +239,10 @@ class Progress:
         atomic_write_json(self.progress_path, snap, indent=None)
 
     def tick(self) -> None:
+        try:
+            self._read_beats()
+        except Exception:  # noqa: BLE001 - the phase is a hint; Ray may not be up yet
+            pass
         with self._tick_lock:
             snap = self.snapshot()
             self.timeline.append((snap["updated_at"], snap["rows_done"], self.in_tokens, self.generated_tokens))
@@ -181,7 +253,7 @@ class Progress:
             self._live.update(self._table(snap))
         elif time.time() - self._last_log >= self.log_every:
             self._last_log = time.time()
-            print(self.line(snap), file=sys.stderr, flush=True)
+            print(self.line(snap), file=self.err or sys.stderr, flush=True)
 
     def _loop(self) -> None:
         while not self._stop.wait(1.0):
@@ -192,9 +264,14 @@ class Progress:
 
     def start(self) -> "Progress":
         if self.tty and not self.quiet:
+            from rich.console import Console
             from rich.live import Live
 
-            self._live = Live(self._table(self.snapshot()), refresh_per_second=2, transient=False)
+            # with streams of its own (the CLI: Ray's lines go to the job's log), nothing else
+            # is redirected into the live view
+            console = Console(file=self.out) if self.out is not None else None
+            self._live = Live(self._table(self.snapshot()), refresh_per_second=2, transient=False, console=console,
+                              redirect_stdout=self.out is None, redirect_stderr=self.out is None)
             self._live.start()
         self._thread = threading.Thread(target=self._loop, name="llmbatch-progress", daemon=True)
         self._thread.start()
@@ -209,8 +286,10 @@ class Progress:
         return snap
 
     def stop(self, state: str) -> dict[str, Any]:
+        """End the run: from here on the figures are the whole run's ("since start")."""
         with self._tick_lock:
             self.state = state
+            self.ended_at = time.time()
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
@@ -221,49 +300,26 @@ class Progress:
         return self.snapshot()
 
 
-def _out_rates(snap: dict[str, Any]) -> str:
-    """Output tokens/s: generated by the engine, and delivered (with dedup copies) when more."""
-    gen, delivered = snap["generated_tokens_per_s"], snap["delivered_tokens_per_s"]
-    text = f"{gen:.0f} tok/s generated"
-    if delivered > gen + 0.5:
-        text += f" ({delivered:.0f} delivered)"
-    return text
+def _num(value: float) -> str:
+    return f"{value:.1f}" if value < 10 else f"{value:,.0f}"
 
 
-def check_report_dependencies() -> None:
-    """Raise :class:`MissingDependencyError` unless :func:`write_report` can run (call it before
-    the work, so that a missing matplotlib is said at once, not after the job)."""
-    import importlib.util
-
-    if importlib.util.find_spec("matplotlib") is None:
-        raise MissingDependencyError("--report", "matplotlib")
-
-
-def write_report(timeline: list[tuple[float, int, int, int]], path: Path, title: str = "llmbatch throughput") -> Path:
-    """A PNG chart of rows/s and output tokens/s over the run (needs matplotlib)."""
-    check_report_dependencies()
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    if len(timeline) < 2:
-        timeline = list(timeline) + [timeline[-1]] if timeline else [(0, 0, 0, 0), (1, 0, 0, 0)]
-    t0 = timeline[0][0]
-    xs, rows_s, out_s = [], [], []
-    for (ta, ra, _, oa), (tb, rb, _, ob) in zip(timeline, timeline[1:]):
-        dt = max(1e-6, tb - ta)
-        xs.append(tb - t0)
-        rows_s.append((rb - ra) / dt)
-        out_s.append((ob - oa) / dt)
-    fig, ax1 = plt.subplots(figsize=(9, 4))
-    ax1.plot(xs, rows_s, color="tab:blue", label="rows/s")
-    ax1.set_xlabel("seconds since start")
-    ax1.set_ylabel("rows/s", color="tab:blue")
-    ax2 = ax1.twinx()
-    ax2.plot(xs, out_s, color="tab:orange", label="generated tokens/s")
-    ax2.set_ylabel("generated tokens/s", color="tab:orange")
-    ax1.set_title(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+def rates_text(snap: dict[str, Any]) -> str:
+    """The rates of a snapshot (the live view, ``progress.json``) or of ``stats.json``, with
+    their window: rows/s and tokens/s, or for a pooling task rows/s and items/s."""
+    window = snap.get("window") or "since start"
+    if snap.get("window_s") is not None:
+        window = f"over {fmt_duration(snap['window_s'])} {window}" if window == "since start" else window
+        if window.endswith("since start") and snap.get("startup_s") is not None:
+            window += f", start-up {fmt_duration(snap['startup_s'])}"
+    text = f"{snap.get('rows_per_s') or 0:.1f} rows/s"
+    items = ITEMS.get(snap.get("task") or "generate")
+    if items:
+        per_s = snap.get("items_per_s")
+        per_s = snap.get("rows_per_s") or 0 if per_s is None else per_s
+        return f"{text}, {per_s:.1f} items/s ({items}), in {_num(snap.get('input_tokens_per_s') or 0)} tok/s ({window})"
+    gen, delivered = snap.get("generated_tokens_per_s") or 0, snap.get("delivered_tokens_per_s") or 0
+    text += f", in {_num(snap.get('input_tokens_per_s') or 0)} tok/s, out {_num(gen)} tok/s generated"
+    if delivered > gen * 1.001 + 0.05:
+        text += f" ({_num(delivered)} delivered)"
+    return f"{text} ({window})"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 
-from llmbatch import startlog
+from llmbatch import startlog, terminal
 # each registers its commands, in the order --help lists them
 from llmbatch.cli import jobs  # noqa: F401, I001
 from llmbatch.cli import getting_started  # noqa: F401
@@ -21,6 +21,8 @@ __all__ = ["app", "main"]
 
 
 def main() -> None:
+    # this process is llmbatch's own: a job sends Ray's and vLLM's lines to its log.txt (llmbatch.terminal)
+    terminal.claim_process()
     # the whole CLI process, from its start (the start-up ledger: LLMBATCH_START_LOG)
     with startlog.timed("cli", command=" ".join(sys.argv[1:2])):
         try:

@@ -169,6 +169,7 @@ def _run_pass(job: JobDir, spec: JobSpec, meta: JobMeta, todo: np.ndarray, done:
     processor = build_job_processor(spec)
     seed_answers(processor, job, spec)
     out = processor(todo_dataset(job, meta, todo))
+    progress.watch_replicas(processor.run_id)  # the start-up phase, from the replicas' heartbeats
     committer = Committer(job, done, progress, spec.commit_rows, spec.commit_seconds)
     try:
         for table in out.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=1):
@@ -242,6 +243,7 @@ def execute(job_dir: JobDir, spec: JobSpec, meta: JobMeta, todo: np.ndarray, don
             progress: Progress) -> None:
     """Run passes until every row is committed (or recorded as lost); translate failures."""
     # worker output (engine start-up chatter) goes to Ray's log files, not the terminal
+    progress.set_phase("starting Ray")
     ensure_ray(log_to_driver=False)
     progress.marks.setdefault("ray_ready", time.time())
     with quiet_ray_data():

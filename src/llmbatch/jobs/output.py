@@ -213,6 +213,7 @@ def build_stats(job: JobDir, meta: JobMeta, counts: dict[str, int], totals: Tall
                 progress: Progress, output_path: str, parts_upto: int) -> dict[str, Any]:
     """stats.json: the final rows' counts, and this run's times and rates."""
     wall = run_info["ended_at"] - run_info["started_at"]
+    final = progress.snapshot()  # once the run is over: its figures since it started
     this_rows = run_info.get("ok", 0) + run_info.get("errors", 0)
     # steady state: from the moment this run's first engine replica was ready
     ready = [t for t in totals.ready_at if t >= run_info["started_at"]]
@@ -244,10 +245,16 @@ def build_stats(job: JobDir, meta: JobMeta, counts: dict[str, int], totals: Tall
         "parts_upto": parts_upto,
         "wall_s": round(wall, 2),
         "rows_this_run": this_rows,
-        "rows_per_s": rate(this_rows, wall) or 0.0,
-        "generated_tokens_per_s": rate(run_info.get("generated_tokens", 0), wall) or 0.0,
-        "delivered_tokens_per_s": rate(run_info.get("delivered_tokens", 0), wall) or 0.0,
-        "input_tokens_per_s": rate(run_info.get("input_tokens", 0), wall) or 0.0,
+        # this run's rates: the live view's last frame, the same figures over the same window
+        "task": final["task"],
+        "window": final["window"],
+        "window_s": final["window_s"],
+        "startup_s": final["startup_s"],
+        "rows_per_s": final["rows_per_s"],
+        "items_per_s": final["items_per_s"],
+        "generated_tokens_per_s": final["generated_tokens_per_s"],
+        "delivered_tokens_per_s": final["delivered_tokens_per_s"],
+        "input_tokens_per_s": final["input_tokens_per_s"],
         "steady_s": round(steady, 2) if steady else None,
         "steady_rows_per_s": rate(this_rows, steady),
         "steady_generated_tokens_per_s": rate(run_info.get("generated_tokens", 0), steady),
@@ -256,7 +263,7 @@ def build_stats(job: JobDir, meta: JobMeta, counts: dict[str, int], totals: Tall
         "first_request_at": min((t for t in totals.first_request_at if t >= run_info["started_at"]), default=None),
         "runs": meta.runs,
         "finished_at": time.time(),
-        "last_progress": progress.snapshot(),
+        "last_progress": final,
     }
 
 

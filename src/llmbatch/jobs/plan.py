@@ -168,7 +168,8 @@ def plan_job(spec: JobSpec, *, throughput: float | None = None, calibrate_rows: 
         "shared_prefix_token_share": (round(shared_tokens / total_tokens, 4) if total_tokens else 0.0)
         if tokenizer is not None else None,
         "prompt_tokens_estimated": tokenizer is None,
-        "max_output_tokens": int(wants_all.sum()),
+        "max_output_tokens": int(wants_all.sum()),  # a total over the rows, at most
+        "max_tokens_per_row": int(wants_all.max()) if wants_all.size else 0,
     }
     estimate = _estimate(spec, unique_requests, throughput, calibrate_rows)
     if endpoint and not throughput and not calibrate_rows:
@@ -208,3 +209,36 @@ def _estimate(spec: JobSpec, unique_requests: int, throughput: float | None, cal
     return {"method": f"calibration run of {calibrate_rows} rows", "rows_per_s": round(rate, 3),
             "seconds": round(unique_requests / rate, 1) if rate else None,
             "note": "engine start-up is not included; calibration rows may dedup differently from the whole input"}
+
+
+def plan_lines(plan: dict[str, Any]) -> list[tuple[str, str]]:
+    """The plan as (label, value) lines for a person: per-row figures labelled per row, totals
+    as totals, no raw dicts (``llmbatch plan``; ``--json`` prints the dict itself)."""
+    toks = plan["prompt_tokens"]
+    estimated = " (estimated: about 4 characters a token)" if plan.get("prompt_tokens_estimated") else ""
+    lines = [("input", str(plan["input"])), ("model", str(plan["model"])), ("task", str(plan["task"])),
+             ("rows", f"{plan['rows']:,} ({plan['rows_unreadable']:,} unreadable, "
+                      f"{plan['rows_failing_preprocess']:,} failing the prompt)"),
+             ("prompt tokens per row", f"min {toks['min']:,}, median {toks['median']:,.0f}, max {toks['max']:,}{estimated}"),
+             ("prompt tokens, total", f"{toks['total']:,}")]
+    if plan.get("max_model_len"):
+        lines.append(("max_model_len, per row", f"{plan['max_model_len']:,} tokens (prompt and answer)"))
+        lines.append(("rows too long", f"{plan['rows_over_max_model_len']:,} prompts over max_model_len; "
+                                       f"{plan['rows_where_max_tokens_does_not_fit']:,} rows where max_tokens does not fit"))
+    if plan["task"] == "generate":
+        lines.append(("max_tokens, per row", f"{plan.get('max_tokens_per_row', 0):,} tokens at most"))
+        lines.append(("output tokens, total", f"{plan['max_output_tokens']:,} at most (every row's max_tokens)"))
+    lines.append(("duplicate requests", f"{plan['duplicate_requests']:,} (answered once each: "
+                                        f"{plan['unique_requests']:,} unique requests run)"))
+    if plan.get("shared_prefix_token_share") is not None:
+        lines.append(("shared prefixes", f"{plan['shared_prefix_token_share']:.0%} of prompt tokens "
+                                         "(prefix-cache hits)"))
+    estimate = plan.get("estimate") or {}
+    if estimate.get("seconds") is not None:
+        rate = f" at {estimate['rows_per_s']:,} rows/s" if estimate.get("rows_per_s") else ""
+        note = f"; {estimate['note']}" if estimate.get("note") else ""
+        lines.append(("run time, estimated", f"{estimate['seconds']:,.1f} s{rate} ({estimate['method']}{note})"))
+    elif estimate:
+        lines.append(("run time, estimated", estimate.get("hint") or estimate.get("method", "")))
+    lines.append(("this plan took", f"{plan['plan_seconds']} s, {plan['peak_memory_mib']:,.0f} MiB of memory at most"))
+    return lines

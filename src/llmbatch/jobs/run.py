@@ -32,8 +32,10 @@ from llmbatch.jobs.preflight import INPUT, check_job, discard_unstarted, first_m
 from llmbatch.jobs.prompts import check_prompt_fields
 from llmbatch.jobs.spec import JobSpec, load_job, redacted_spec
 from llmbatch.jobs.store import JobDir, input_fingerprint, same_input
-from llmbatch.progress import Progress, check_report_dependencies, write_report
+from llmbatch.progress import Progress
 from llmbatch.redact import check_no_redacted, redact, redact_text
+from llmbatch.report import check_report_dependencies, write_report
+from llmbatch.terminal import Terminal, job_terminal
 
 logger = logging.getLogger(__name__)
 
@@ -160,7 +162,9 @@ def run_job(job: JobSpec | str | os.PathLike, *, overrides: list[str] | None = N
     ``job`` is a :class:`JobSpec`, a job file, or a job directory (to resume that directory,
     wherever it was moved). ``retry_errors`` re-runs only the rows that failed (``overrides``
     may change the config for them). Ctrl-C stops cleanly: what was answered is committed and
-    ``resume`` continues. Nothing in the job directory changes before its lock is held.
+    ``resume`` continues. Nothing in the job directory changes before its lock is held. While
+    it runs, Ray's and vLLM's INFO and WARNING lines go to the job's log.txt, not the terminal
+    (``llmbatch.terminal``).
     """
     entered = time.time()
     spec = resolve_spec(job, overrides)
@@ -172,15 +176,16 @@ def run_job(job: JobSpec | str | os.PathLike, *, overrides: list[str] | None = N
     try:
         with job_dir.locked():
             meta = open_job(job_dir, spec, force=force, allow_config_change=retry_errors)
-            return _run_locked(job_dir, spec, meta, retry_errors=retry_errors, report=report, quiet=quiet,
-                               tty=tty, entered=entered)
+            with job_terminal(job_dir.log_path) as terminal:  # Ray's and vLLM's lines to log.txt
+                return _run_locked(job_dir, spec, meta, retry_errors=retry_errors, report=report, quiet=quiet,
+                                   tty=tty, entered=entered, terminal=terminal)
     except LLMBatchError:
         discard_unstarted(job_dir, created)  # a mistake found while reading the input leaves nothing
         raise
 
 
 def _run_locked(job_dir: JobDir, spec: JobSpec, meta: JobMeta, *, retry_errors: bool, report: bool,
-                quiet: bool, tty: bool | None, entered: float) -> JobResult:
+                quiet: bool, tty: bool | None, entered: float, terminal: Terminal) -> JobResult:
     job_dir.clean_temporaries()
     ingest_s = None
     if not meta.ingested:
@@ -197,7 +202,8 @@ def _run_locked(job_dir: JobDir, spec: JobSpec, meta: JobMeta, *, retry_errors: 
     todo = ~done
     progress = Progress(meta.rows, done_before=int(done.sum()),
                         errors_before=counts["errors"] if not retry_errors else 0,
-                        progress_path=job_dir.progress_path, tty=tty, quiet=quiet)
+                        progress_path=job_dir.progress_path, tty=tty, quiet=quiet, task=spec.resolved_task(),
+                        out=terminal.out, err=terminal.err)
     mode = "retry-errors" if retry_errors else ("resume" if counts["done"] else "run")
     job_dir.log(f"{mode}: {int(todo.sum()):,} rows to do of {meta.rows:,}")
     old_sigterm = _install_sigterm()

@@ -1,7 +1,8 @@
 """``llmbatch status``: where a job stands, from another terminal, while it runs or after.
 
-Counts come from the committed parts (the truth, also after a crash); rates and ETA from the
-running driver's ``progress.json``.
+Counts come from the committed parts (the truth, also after a crash); the start-up phase, rates
+and ETA from the running driver's ``progress.json``, and after a run its ``stats.json`` (the
+figures its live view ended on and its summary showed, over the same window).
 """
 
 from __future__ import annotations
@@ -72,19 +73,25 @@ def job_status(root: str | Path) -> dict[str, Any]:
         errors_by_type=dict(errors.error_types),
         parts=len(job.part_files()),
     )
+    rate_keys = ("rows_per_s", "items_per_s", "input_tokens_per_s", "generated_tokens_per_s", "delivered_tokens_per_s")
+    task = (meta.spec or {}).get("task") or "generate"
     if running and progress:
+        # the running driver's figures (progress.json): the start-up phase, then the last 30 s
         fresh = time.time() - progress.get("updated_at", 0) < STALE_S
         info.update(
-            rows_per_s=progress.get("rows_per_s") if fresh else 0.0,
-            input_tokens_per_s=progress.get("input_tokens_per_s", 0.0) if fresh else 0.0,
-            generated_tokens_per_s=progress.get("generated_tokens_per_s", 0.0) if fresh else 0.0,
-            delivered_tokens_per_s=progress.get("delivered_tokens_per_s", 0.0) if fresh else 0.0,
+            task=progress.get("task", task),
+            phase=progress.get("phase"),
+            phase_s=progress.get("phase_s"),
+            window=progress.get("window"),
+            window_s=progress.get("window_s"),
+            **{k: progress.get(k, 0.0) if fresh else 0.0 for k in rate_keys},
             eta_s=(counts["todo"] / progress["rows_per_s"]) if fresh and progress.get("rows_per_s") else None,
             replicas=progress.get("replicas", {}),
         )
     elif stats:
-        info.update(rows_per_s=stats.get("rows_per_s"), generated_tokens_per_s=stats.get("generated_tokens_per_s"),
-                    delivered_tokens_per_s=stats.get("delivered_tokens_per_s"),
-                    input_tokens_per_s=stats.get("input_tokens_per_s"), output=stats.get("output"),
+        # the last run's figures (stats.json): the same as its live view's last frame and summary
+        info.update(task=stats.get("task", task), window=stats.get("window", "since start"),
+                    window_s=stats.get("window_s", stats.get("wall_s")), startup_s=stats.get("startup_s"),
+                    **{k: stats.get(k) for k in rate_keys}, output=stats.get("output"),
                     errors_file=stats.get("errors_file"))
     return info
