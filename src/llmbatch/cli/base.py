@@ -11,9 +11,10 @@ from rich.table import Table
 
 from llmbatch.redact import redact_text
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+# click's plain help: a switch reads `--force`, not `--force <bool>`, and the help fits 80 columns
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="Run LLMs over whole datasets: resumable, exactly-once batch inference.")
-models_app = typer.Typer(no_args_is_help=True, help="Built-in offline models.")
+models_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="Built-in offline models.")
 app.add_typer(models_app, name="models")
 console = Console(stderr=True)
 

@@ -15,18 +15,22 @@ from llmbatch.demo import run_demo
 from llmbatch.errors import LLMBatchError
 from llmbatch.models import DEFAULT_MODEL, list_models, prepare
 from llmbatch.sample_data import write_customers_csv
-from llmbatch.toy_models import make_test_models
+from llmbatch.toy_models import lora_available, make_test_models
 
 
 @models_app.command("list")
 def models_list() -> None:
-    """The offline models and whether each is prepared."""
-    table = Table(title="offline models")
-    for col in ("name", "task", "prepared", "package", "description"):
-        table.add_column(col)
+    """The offline models and the test models, whether each is ready, and the name -m takes."""
+    table = Table(title="offline models (-m NAME)")
+    table.add_column("name", no_wrap=True, min_width=max(len(m["name"]) for m in list_models()))  # never cut
+    table.add_column("task", no_wrap=True)
+    table.add_column("ready", no_wrap=True)
+    table.add_column("description", ratio=1)
     for m in list_models():
-        table.add_row(m["name"], m["task"], m["prepared"], m["package"], m["description"])
-    Console().print(table)
+        table.add_row(m["name"], m["task"], m["prepared"], m["description"])
+    out = Console()
+    out.print(table)
+    out.print("not ready: llmbatch models prepare NAME, or llmbatch models make-test-models")
 
 
 @models_app.command("make-test-models")
@@ -41,7 +45,11 @@ def models_make_test_models(
     except LLMBatchError as exc:
         fail(exc)
     for name, path in built.items():
-        console.print(f"{name}: {path}")
+        console.print(f"{name}: {path}", soft_wrap=True)
+    if not lora_available():
+        console.print("LoRA adapters skipped: they need peft (pip install peft, or the dev extra)", soft_wrap=True)
+    if folder is None:
+        console.print("use them by name: -m minilm-classifier, -m tiny-vlm, ... (llmbatch models list)", soft_wrap=True)
 
 
 @models_app.command("prepare")
