@@ -158,3 +158,16 @@ def test_retry_errors_with_no_error_rows_starts_nothing(workdir):
     assert "0 rows" in printed and "no error rows" in printed, printed
     assert job.meta().runs == [], "a run was recorded: something ran"
     assert not (workdir / "out.parquet").exists()
+
+
+def test_embed_without_a_model_runs_the_shipped_embedding_model(tmp_path):
+    from llmbatch.errors import ConfigError
+    from llmbatch.jobs.spec import load_job
+
+    data = {"input": {"path": str(tmp_path / "in.csv")}, "output": {"path": str(tmp_path / "out.parquet")},
+            "task": "embed", "prompt": {"text_column": "a"}}
+    spec = load_job(data=data)
+    assert spec.model.source == "all-minilm-l6-v2"
+    assert spec.processor_config().task_type == "embed"
+    with pytest.raises(ConfigError, match="--model"):  # other tasks still need one
+        load_job(data={**data, "task": "classify"})

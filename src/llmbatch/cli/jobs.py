@@ -62,7 +62,7 @@ def run(
     invalid_lines: Annotated[Optional[str], typer.Option("--invalid-lines", help="With --openai-batch: 'fail' (default) lists invalid lines and runs nothing; 'error' writes them to the error file and runs the rest.")] = None,
     id_column: Annotated[Optional[str], typer.Option(help="Column with a unique id per row.")] = None,
     limit: Annotated[Optional[int], typer.Option(help="Only the first N rows.")] = None,
-    model: Annotated[Optional[str], typer.Option("--model", "-m", help="Model: offline alias, folder, hub id, .gguf.")] = None,
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help="Model: offline alias (llmbatch models list), folder, hub id, .gguf. With --task embed and no --model: all-minilm-l6-v2.")] = None,
     system: Annotated[Optional[str], typer.Option(help="System prompt template.")] = None,
     prompt: Annotated[Optional[str], typer.Option("--prompt", "-p", help="User prompt template, e.g. 'What industry is {Company} in?'.")] = None,
     choices: Annotated[Optional[str], typer.Option(help="Comma-separated answers to constrain the output to.")] = None,
