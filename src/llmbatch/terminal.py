@@ -67,9 +67,15 @@ def _is_std(stream: Any) -> bool:
         return False
 
 
-class _BelowError(logging.Filter):
+class _BelowErrorOnce(logging.Filter):
+    """Records below ERROR, each once (a record passes every logger up its chain, and the log's
+    handler sits on several of them)."""
+
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno < logging.ERROR
+        if record.levelno >= logging.ERROR or getattr(record, "_llmbatch_logged", False):
+            return False
+        record._llmbatch_logged = True
+        return True
 
 
 class _ErrorsOnly(logging.Filter):
@@ -101,7 +107,7 @@ def _library_records(log: TextIO) -> Iterator[None]:
     """The Python API: the libraries' records below ERROR go to the log instead of the terminal."""
     to_file = logging.StreamHandler(log)
     to_file.setFormatter(logging.Formatter(LOG_FORMAT))
-    to_file.addFilter(_BelowError())
+    to_file.addFilter(_BelowErrorOnce())
     taken = _terminal_handlers()
     errors_only = _ErrorsOnly()
     loggers = {id(lg): lg for lg, _ in taken}

@@ -44,3 +44,25 @@ def test_states_from_not_started_to_finished(tmp_path):
     job.commit(pa.table({ROW_ID: [2], ERROR_COLUMN: [""]}))  # retry-errors committed more: output is stale
     info = job_status(job.root)
     assert info["state"] != "finished" and info["rows_error"] == 0
+
+
+def test_a_running_job_shows_its_start_up_phase(tmp_path):
+    """`status` of a job still starting says what it is doing (the driver's progress.json),
+    in its JSON and in its table."""
+    import time
+
+    from typer.testing import CliRunner
+
+    from llmbatch.cli import app
+    from llmbatch.progress import Progress
+
+    job = make(tmp_path, rows=8, ingested=True)
+    progress = Progress(8, progress_path=job.progress_path, tty=False, quiet=True)
+    progress.set_phase("loading the model")
+    progress.phase_since = time.time() - 12  # for 12 s already
+    progress.tick()
+    with job.locked():
+        info = job_status(job.root)
+        table = CliRunner().invoke(app, ["status", str(job.root)], env={"COLUMNS": "100"}).stdout
+    assert info["state"] == "running" and info["phase"] == "loading the model" and info["phase_s"] >= 12
+    assert "loading the model (12s)" in table, table
