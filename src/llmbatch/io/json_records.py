@@ -47,41 +47,70 @@ def json_line(text: str | bytes) -> Any:
         raise ValueError(f"nested more than Python's recursion limit allows ({sys.getrecursionlimit()})") from None
 
 
+def _item(first: str, events: Iterator[tuple[str, Any]]) -> Any:
+    """The value an item's events build (``first`` opened it); None when it nests deeper than
+    :data:`MAX_JSON_DEPTH` (its events are consumed all the same)."""
+    root: Any = {} if first == "start_map" else []
+    stack, key, depth = [root], None, 1
+    for event, value in events:
+        if event == "map_key":
+            key = value
+        elif event == "start_map" or event == "start_array":
+            depth += 1
+            if depth > MAX_JSON_DEPTH:
+                stack = []
+                continue
+            if stack:
+                new: Any = {} if event == "start_map" else []
+                top = stack[-1]
+                if type(top) is dict:
+                    top[key] = new
+                else:
+                    top.append(new)
+                stack.append(new)
+        elif event == "end_map" or event == "end_array":
+            depth -= 1
+            if depth == 0:
+                return root if stack else None
+            if stack and depth < MAX_JSON_DEPTH:
+                stack.pop()
+        elif stack:
+            top = stack[-1]
+            if type(top) is dict:
+                top[key] = value
+            else:
+                top.append(value)
+    raise ValueError("the input ends inside an item")
+
+
 def _json_events_to_records(events: Iterator[tuple[str, Any]]) -> Iterator[Record]:
     """Records from ijson's parse events of ``[{...}, ...]`` or ``{"data": [...]}``: an item
     nested deeper than :data:`MAX_JSON_DEPTH` or not an object is that item's error."""
-    from ijson.common import ObjectBuilder
-
     depth, items_at, key, index = 0, None, None, 0
-    builder, too_deep = None, False
     for event, value in events:
-        opens, closes = event in ("start_map", "start_array"), event in ("end_map", "end_array")
-        if items_at is not None and depth == items_at and not closes:  # an item begins
-            if not opens:
-                yield {}, f"read: JSONRecordError: item {index} is a {type(value).__name__}, not an object"
-                index += 1
-                continue
-            builder, too_deep = ObjectBuilder(), False
-        depth += opens - closes
-        if builder is not None:
-            too_deep = too_deep or depth - items_at > MAX_JSON_DEPTH
-            if not too_deep:
-                builder.event(event, value)
-            if depth == items_at:
-                if too_deep:
+        if items_at is not None and depth == items_at and event != "end_array":  # an item
+            if event == "start_map" or event == "start_array":
+                item = _item(event, events)
+                if item is None:
                     yield {}, f"read: JSONRecordError: item {index} is nested more than {MAX_JSON_DEPTH} deep"
-                elif isinstance(builder.value, dict):
-                    yield builder.value, ""
+                elif type(item) is dict:
+                    yield item, ""
                 else:
                     yield {}, f"read: JSONRecordError: item {index} is a list, not an object"
-                builder, index = None, index + 1
+            else:
+                yield {}, f"read: JSONRecordError: item {index} is a {type(value).__name__}, not an object"
+            index += 1
             continue
-        if event == "map_key" and depth == 1:
+        if event == "start_map" or event == "start_array":
+            depth += 1
+            if event == "start_array" and (depth == 1 or (depth == 2 and key == "data")) and items_at is None:
+                items_at = depth
+        elif event == "end_map" or event == "end_array":
+            depth -= 1
+            if items_at is not None and depth < items_at:
+                return
+        elif event == "map_key" and depth == 1:
             key = value
-        elif event == "start_array" and (depth == 1 or (depth == 2 and key == "data")):
-            items_at = depth if items_at is None else items_at
-        elif closes and items_at is not None and depth < items_at:
-            return
 
 
 def json_records(fh) -> Iterator[Record]:
