@@ -4,8 +4,8 @@
 # llmbatch source tree, e.g. a git worktree of an older commit, for a before/after).
 set -u
 SRC=$1; OUT=$2
-rm -rf "$OUT"; mkdir -p "$OUT"; cd "$OUT"
 PY=${PY:-$(cd "$(dirname "$0")/.." && pwd)/.venv/bin/python}
+rm -rf "$OUT"; mkdir -p "$OUT"; cd "$OUT"
 PYTHONPATH=$SRC $PY -c "from llmbatch.sample_data import write_customers_csv; write_customers_csv('c.csv', 4000, seed=0)"
 PYTHONPATH=$SRC setsid $PY -m llmbatch run --input c.csv --id-column Index -m smollm2-135m-instruct --prompt "Which industry is {Company} in? One word." --max-tokens 4 --temperature 0 --output out.parquet --quiet --set model.engine_kwargs.max_model_len=512 --set model.batch_size=64 --set commit_seconds=0.5 > run1.log 2>&1 &
 PID=$!
