@@ -51,3 +51,18 @@ def test_openai_output_needs_openai_input(tmp_path):
     with pytest.raises(ConfigError, match="needs input.format openai-batch"):
         load_job(data={"input": {"path": str(tmp_path / "d.csv")}, "model": {"source": "smollm2-135m-instruct"},
                        "prompt": {"user": "{a}"}, "output": {"path": str(tmp_path / "o.jsonl"), "format": "openai-batch"}})
+
+
+def test_a_line_naming_a_served_name_asks_the_base_model_not_an_adapter_of_that_name(tmp_path):
+    from llmbatch.jobs.prompts import job_preprocess
+
+    spec = load_job(data={"input": {"path": write(tmp_path, model="team-llm"), "format": "openai-batch"},
+                          "model": {"source": "smollm2-135m-instruct", "served_model_name": ["team-llm", "alt"]},
+                          "output": {"path": str(tmp_path / "results.jsonl")}})
+    pre = job_preprocess(spec)
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+    for name in ("team-llm", "alt", "smollm2-135m-instruct"):
+        row = {"url": "/v1/chat/completions", "model": name, "body": json.dumps({**body, "model": name})}
+        assert pre(row)["model"] is None, name  # the engine runs it on the base model
+    adapter = {"url": "/v1/chat/completions", "model": "support-tone", "body": json.dumps({**body, "model": "support-tone"})}
+    assert pre(adapter).get("model", "support-tone") == "support-tone"  # an adapter's name stays the row's

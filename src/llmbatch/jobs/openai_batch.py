@@ -120,14 +120,20 @@ def errors_path(spec: Any) -> str:
 
 
 class OpenAIBatchPreprocess:
-    """A batch line's body -> the row's request; the job's ``sampling_params`` are defaults."""
+    """A batch line's body -> the row's request; the job's ``sampling_params`` are defaults.
+    A body whose ``model`` is one of the job's own names (``served_names``: a served name, the
+    source, the folder's name) asks the base model, not an adapter of that name; the answer's
+    ``model`` is then the first served name, as vLLM's server answers."""
 
-    def __init__(self, defaults: dict[str, Any] | None = None):
+    def __init__(self, defaults: dict[str, Any] | None = None, base_names: list[str] | None = None):
         self.defaults = dict(defaults or {})
+        self.base_names = frozenset(base_names or ())
 
     def __call__(self, row: dict[str, Any]) -> dict[str, Any]:
         body = json.loads(row["body"])
         out = translate(row["url"], body)
+        if row.get("model") in self.base_names:
+            out["model"] = None
         if "sampling_params" in out and self.defaults:
             out["sampling_params"] = {**self.defaults, **out["sampling_params"]}
             if "max_tokens" in out["sampling_params"] and out.get(OPENAI):
