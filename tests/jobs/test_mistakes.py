@@ -56,8 +56,9 @@ MISTAKES = {
                                  {**CSV, "ro/": ""}, read_only=["ro"], unprivileged=True),
     "job dir under a file": Mistake(run_args("--job-dir", "reviews.csv/job"), ["--job-dir", "is a file"],
                                     {**CSV, "reviews.csv": "x\n1\n"}),
-    "model not resolvable offline": Mistake(run_args(model="tiny-vlm"), ["--model", "tiny-vlm", SMOL,
-                                                                       "llmbatch models list"], CSV, env=OFFLINE),
+    # a test model's name before make-test-models built it (in the empty cache)
+    "model not resolvable offline": Mistake(run_args(model="tiny-vlm"), ["--model", "tiny-vlm", "llmbatch models"],
+                                            CSV, env=OFFLINE),
     "unknown model name": Mistake(run_args(model="no-such-model"), ["--model", "no-such-model", SMOL], CSV,
                                   env=OFFLINE),
     "empty input file": Mistake(run_args(inp="empty.csv"), ["--input", "has no rows"], {"empty.csv": ""}),
@@ -171,3 +172,21 @@ def test_embed_without_a_model_runs_the_shipped_embedding_model(tmp_path):
     assert spec.processor_config().task_type == "embed"
     with pytest.raises(ConfigError, match="--model"):  # other tasks still need one
         load_job(data={**data, "task": "classify"})
+
+
+def test_models_found_by_name_pass_the_model_check(tmp_path, monkeypatch):
+    """A built test model and a prepared alias pass; the check downloads nothing for them."""
+    from llmbatch.jobs.preflight import check_model
+    from llmbatch.jobs.spec import load_job
+    from llmbatch.models import prepare
+
+    prepare(SMOL)  # in the real cache, before the cache moves
+    data = {"input": {"path": str(tmp_path / "in.csv")}, "output": {"path": str(tmp_path / "out.parquet")},
+            "prompt": {"user": "{a}"}}
+    check_model(load_job(data={**data, "model": {"source": SMOL}}))
+    monkeypatch.setenv("LLMBATCH_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    built = tmp_path / "cache" / "test-models" / "tiny-vlm"
+    built.mkdir(parents=True)
+    (built / "config.json").write_text("{}")
+    check_model(load_job(data={**data, "model": {"source": "tiny-vlm"}}))

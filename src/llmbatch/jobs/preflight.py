@@ -22,7 +22,7 @@ from llmbatch.io.readers import infer_format, open_input
 from llmbatch.jobs.openai_batch import errors_path, is_openai_batch
 from llmbatch.jobs.spec import JobSpec
 from llmbatch.jobs.store import JobDir
-from llmbatch.models import ALIASES, check_model_source, resolve_model
+from llmbatch.models import ALIASES, TEST_MODELS, check_model_source, resolve_model
 
 #: Bytes read from the start of a text input to tell an empty one (a header and nothing else).
 SNIFF_BYTES = 1 << 16
@@ -168,7 +168,8 @@ def discard_unstarted(job: JobDir, created: Path | None) -> None:
 
 def check_model(spec: JobSpec) -> None:
     """An in-process engine's model can be found here: an offline alias (prepared now, once), a
-    local folder or file, or a hub id the hub (or, offline, the local hub cache) has. Nothing but
+    test model that is built, a local folder or file, or a hub id the hub (or, offline, the local
+    hub cache) has. Nothing but
     a hub model's config.json is downloaded; an object-store folder is copied when the engine
     starts."""
     config = spec.processor_config()
@@ -177,8 +178,8 @@ def check_model(spec: JobSpec) -> None:
     source = config.model_source
     try:
         check_model_source(source)
-        if source in ALIASES:
-            resolve_model(source)
+        if source in ALIASES or source in TEST_MODELS:
+            resolve_model(source)  # an alias prepared (once), a test model found built
         elif not os.path.exists(os.path.expanduser(source)) and "://" not in source:
             _check_hub_model(source)
     except ModelNotFoundError as exc:
@@ -195,6 +196,6 @@ def _check_hub_model(repo_id: str) -> None:
         where = ("HF_HUB_OFFLINE is set and the local hub cache does not have it" if offline
                  else f"the Hugging Face hub did not give it ({type(exc).__name__})")
         raise ModelNotFoundError(
-            f"cannot find model '{repo_id}': it is not an offline alias ({', '.join(ALIASES)}), not a local "
+            f"cannot find model '{repo_id}': it is not an offline alias ({', '.join(ALIASES)}) or a test model, not a local "
             f"folder or file, and {where}. Give an alias, a model folder (./path), or a hub id this machine "
             "can reach.") from None
