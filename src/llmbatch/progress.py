@@ -169,8 +169,9 @@ class Progress:
             rates = [round(c / seconds, 3 if i == 0 else 1) if answering else 0.0 for i, c in enumerate(counts)]
             recent_rows = sum(r[1] for r in self._recent) / span if answering else 0.0
             remaining = self.total - self.done
-            eta_rate = rates[0] if self.ended_at is not None else recent_rows
-            eta = remaining / eta_rate if eta_rate > 0 else None
+            eta = remaining / recent_rows if recent_rows > 0 else None
+            if self.ended_at is not None:  # over: nothing left, or no run to estimate it by
+                eta = 0.0 if remaining <= 0 else None
             return {
                 "state": self.state,
                 "task": self.task,
