@@ -74,7 +74,8 @@ MISTAKES = {
         {"batch.jsonl": json.dumps({"custom_id": "r1", "method": "POST", "url": "/v1/chat/completions",
                                     "body": {"messages": [{"role": "user", "content": "Hi"}]}}) + "\n"}),
     "prompt field the input lacks": Mistake(run_args(prompt="Say {Company}"), ["--prompt", "{Company}", "a, b"], CSV),
-    "output format unknown": Mistake(run_args(out="out/x.txt"), ["--output", "parquet"], CSV),
+    "input format unknown": Mistake(run_args(inp="data.txt"), ["--input", "--set input.format="], {"data.txt": "a\n1\n"}),
+    "output format unknown": Mistake(run_args(out="out/x.txt"), ["--output", "--set output.format="], CSV),
 }
 
 

@@ -38,7 +38,7 @@ def check_job(spec: JobSpec, job: JobDir, *, force: bool = False) -> None:
     try:
         spec.output.resolved_format()
     except ConfigError as exc:
-        raise ConfigError(f"--output (output.path): {exc}") from None
+        raise ConfigError(f"--output (output.path): {exc} (on the command line: --set output.format=parquet)") from None
     if is_openai_batch(spec):
         check_writable(errors_path(spec), "--errors (output.errors_path)")
     flag = "--job-dir (job_dir)" if spec.job_dir else "--job-dir (job_dir; default: <output>.job)"
@@ -78,7 +78,8 @@ def check_input(spec: JobSpec) -> None:
     try:
         fmt = spec.input.format or infer_format(path)
     except ConfigError as exc:
-        raise ConfigError(f"{flag}: {exc} (or --openai-batch for an OpenAI batch file)") from None
+        raise ConfigError(f"{flag}: {exc} (on the command line: --set input.format=csv, or --openai-batch FILE "
+                          "for an OpenAI batch file)") from None
     if os.path.isdir(path):
         return  # a dataset folder: the reader says what it lacks
     if os.path.getsize(path) == 0:
