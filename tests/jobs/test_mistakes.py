@@ -75,6 +75,9 @@ MISTAKES = {
                                     "body": {"messages": [{"role": "user", "content": "Hi"}]}}) + "\n"}),
     "prompt field the input lacks": Mistake(run_args(prompt="Say {Company}"), ["--prompt", "{Company}", "a, b"], CSV),
     "input format unknown": Mistake(run_args(inp="data.txt"), ["--input", "--set input.format="], {"data.txt": "a\n1\n"}),
+    # flag values out of range: refused by the command line itself, naming the flag
+    "--limit 0": Mistake(run_args("--limit", "0"), ["--limit", "1"], CSV),
+    "--max-tokens 0": Mistake(run_args("--max-tokens", "0"), ["--max-tokens", "1"], CSV),
     "output format unknown": Mistake(run_args(out="out/x.txt"), ["--output", "--set output.format="], CSV),
 }
 
@@ -129,7 +132,7 @@ def test_mistake_is_caught_before_anything_starts(name, workdir):
     assert "Traceback" not in printed, printed
     assert proc.returncode == 2, printed
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    error_lines = [line for line in lines if line.startswith("error:")]
+    error_lines = [line for line in lines if line.startswith(("error:", "Error:"))]  # llmbatch's, click's
     assert len(error_lines) == 1, printed
     for word in case.says:
         assert word in error_lines[0], f"{word!r} not in {error_lines[0]!r}"
