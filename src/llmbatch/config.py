@@ -76,7 +76,11 @@ def _format_validation_error(cls_name: str, exc: ValidationError, known: list[st
             lines.append(f"field '{loc}' is required.")
         else:
             msg = err["msg"].removeprefix("Value error, ")
-            lines.append(f"field '{loc}': {msg} (got {err.get('input')!r}).")
+            nested = isinstance((err.get("ctx") or {}).get("error"), ConfigError)  # a nested config's own message
+            if not err["loc"] or nested:  # (or a rule over several fields): no field value to repeat
+                lines.append(("" if not err["loc"] else f"field '{loc}': ") + msg.rstrip(".") + ".")
+            else:
+                lines.append(f"field '{loc}': {msg} (got {err.get('input')!r}).")
     return f"{cls_name}: " + " ".join(lines)
 
 

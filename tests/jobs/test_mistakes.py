@@ -28,6 +28,7 @@ class Mistake:
     read_only: list[str] = field(default_factory=list)   # files/folders made unreadable/unwritable
     env: dict[str, str] = field(default_factory=dict)
     unprivileged: bool = False                        # needs permissions to hold (not root)
+    not_says: list[str] = field(default_factory=lambda: ["JobSpec", "ModelSpec", "(got {"])  # internals
 
 
 def run_args(*extra: str, model: str | None = SMOL, prompt: str | None = "Say {a}", inp: str | None = "in.csv",
@@ -78,6 +79,8 @@ MISTAKES = {
     # flag values out of range: refused by the command line itself, naming the flag
     "--limit 0": Mistake(run_args("--limit", "0"), ["--limit", "1"], CSV),
     "--max-tokens 0": Mistake(run_args("--max-tokens", "0"), ["--max-tokens", "1"], CSV),
+    "two prompt sources": Mistake(run_args("--text-column", "b"), ["prompt.user", "prompt.text_column"], CSV,
+                                  not_says=["(got"]),
     "output format unknown": Mistake(run_args(out="out/x.txt"), ["--output", "--set output.format="], CSV),
 }
 
@@ -136,7 +139,7 @@ def test_mistake_is_caught_before_anything_starts(name, workdir):
     assert len(error_lines) == 1, printed
     for word in case.says:
         assert word in error_lines[0], f"{word!r} not in {error_lines[0]!r}"
-    assert "JobSpec" not in printed and "ModelSpec" not in printed, printed
+    assert not any(word in printed for word in case.not_says), printed
     assert _tree(workdir) == before, "left behind: " + ", ".join(sorted(_tree(workdir) - before))
 
 
