@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import threading
 
 from llmbatch import startlog
 from llmbatch.errors import ResourceError
@@ -28,8 +30,13 @@ def ensure_ray(**init_kwargs) -> None:
     if os.environ.get("RAY_ADDRESS"):
         kwargs.pop("num_cpus", None)
         kwargs.pop("num_gpus", None)
+    # ray.init makes SIGTERM sys.exit(15) in the driver; a handler of the process's own (run_job's:
+    # stop cleanly, as Ctrl-C does) stays
+    own = signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
     with startlog.timed("ray-init", joined=bool(os.environ.get("RAY_ADDRESS") or kwargs.get("address"))):
         ray.init(**kwargs)
+    if callable(own):
+        signal.signal(signal.SIGTERM, own)
 
 
 def check_accelerator(accelerator_type: str, cluster: dict[str, float]) -> None:

@@ -133,3 +133,28 @@ def test_the_last_frame_the_summary_and_status_agree(ray_cluster, smollm2, minil
     assert "rows/s" in summary and "items/s (embeddings)" in summary and "generated" not in summary, summary
     table = _flat(llmbatch("status", tmp_path / "emb.parquet.job").stdout)
     assert "items/s (embeddings)" in table and "generated" not in table, table
+
+
+def test_a_job_sent_sigterm_stops_as_ctrl_c_does(ray_cluster, smollm2, tmp_path):
+    """`kill PID` stops a CLI job cleanly (committed rows kept, exit code 130, `resume` goes on),
+    although Ray's start in the driver makes SIGTERM a plain exit."""
+    from waiting import committed, wait_for
+
+    _rows(tmp_path / "in.jsonl", 400)
+    job = tmp_path / "out.jsonl.job"
+    proc = subprocess.Popen([str(REPO / ".venv" / "bin" / "llmbatch"), "run", "-m", "smollm2-135m-instruct",
+                             "--input", "in.jsonl", "--id-column", "id", "--prompt", "Write a story about {name}",
+                             "--max-tokens", "64", "--output", "out.jsonl", "--quiet",
+                             "--set", "model.engine_kwargs.max_model_len=512", "--set", "model.batch_size=16"],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for(lambda: committed(job) > 0, BOUND_S, "the job's first committed rows", proc, step=0.2)
+        proc.terminate()
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+    assert proc.returncode == 130, out[-3000:]
+    assert "stopped; answered rows are committed" in out and "Traceback" not in out, out[-3000:]
+    assert llmbatch("status", job, "--json").stdout.count('"stopped (resume to continue)"') == 1
