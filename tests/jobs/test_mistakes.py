@@ -197,3 +197,30 @@ def test_models_found_by_name_pass_the_model_check(tmp_path, monkeypatch):
     built.mkdir(parents=True)
     (built / "config.json").write_text("{}")
     check_model(load_job(data={**data, "model": {"source": "tiny-vlm"}}))
+
+
+def test_a_hub_model_is_checked_by_its_config_alone(tmp_path, monkeypatch):
+    """A hub id is looked up before Ray starts, with the token the replicas get, fetching only
+    config.json (never the weights); a hub that does not give it is a --model mistake."""
+    import huggingface_hub
+
+    from llmbatch.errors import ConfigError
+    from llmbatch.jobs.preflight import check_model
+    from llmbatch.jobs.spec import load_job
+
+    asked = []
+
+    def snapshot_download(repo_id, allow_patterns=None, token=None, **kwargs):
+        asked.append((repo_id, allow_patterns, token))
+        if repo_id != "org/there":
+            raise OSError("404: no such repository\nmore detail")
+        return str(tmp_path)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    data = {"input": {"path": str(tmp_path / "in.csv")}, "output": {"path": str(tmp_path / "out.parquet")},
+            "prompt": {"user": "{a}"}}
+    model = {"runtime_env": {"env_vars": {"HF_TOKEN": "hf_from_the_job"}}}
+    check_model(load_job(data={**data, "model": {**model, "source": "org/there"}}))
+    assert asked == [("org/there", ["config.json"], "hf_from_the_job")]
+    with pytest.raises(ConfigError, match="--model .*'org/missing'.*OSError: 404: no such repository\\)"):
+        check_model(load_job(data={**data, "model": {"source": "org/missing"}}))

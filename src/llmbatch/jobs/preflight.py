@@ -23,6 +23,7 @@ from llmbatch.jobs.openai_batch import errors_path, is_openai_batch
 from llmbatch.jobs.spec import JobSpec
 from llmbatch.jobs.store import JobDir
 from llmbatch.models import ALIASES, TEST_MODELS, check_model_source, resolve_model
+from llmbatch.redact import reveal
 
 #: Bytes read from the start of a text input to tell an empty one (a header and nothing else).
 SNIFF_BYTES = 1 << 16
@@ -182,21 +183,26 @@ def check_model(spec: JobSpec) -> None:
         if source in ALIASES or source in TEST_MODELS:
             resolve_model(source)  # an alias prepared (once), a test model found built
         elif not os.path.exists(os.path.expanduser(source)) and "://" not in source:
-            _check_hub_model(source)
+            env = (config.runtime_env or {}).get("env_vars") or {}  # the replicas' token, where the job gives one
+            _check_hub_model(source, reveal(env.get("HF_TOKEN")) or None)
     except ModelNotFoundError as exc:
         raise ConfigError(f"{MODEL}: {exc} See `llmbatch models list`.") from None
 
 
-def _check_hub_model(repo_id: str) -> None:
+def _check_hub_model(repo_id: str, token: str | None) -> None:
     from huggingface_hub import snapshot_download
 
     try:
-        snapshot_download(repo_id, allow_patterns=["config.json"])
+        snapshot_download(repo_id, allow_patterns=["config.json"], token=token)
     except Exception as exc:  # noqa: BLE001 - offline, no such repo, gated: all say the same
         offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
         where = ("HF_HUB_OFFLINE is set and the local hub cache does not have it" if offline
-                 else f"the Hugging Face hub did not give it ({type(exc).__name__})")
+                 else f"the Hugging Face hub did not give it ({type(exc).__name__}: {_first_line(exc)})")
         raise ModelNotFoundError(
             f"cannot find model '{repo_id}': it is not an offline alias ({', '.join(ALIASES)}) or a test model, not a local "
             f"folder or file, and {where}. Give an alias, a model folder (./path), or a hub id this machine "
             "can reach.") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    return next((line.strip() for line in str(exc).splitlines() if line.strip()), "")[:200]
