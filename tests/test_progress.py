@@ -95,3 +95,13 @@ def test_pooling_tasks_report_items_not_generated_tokens():
     final = rates_text(p.stop("finished"))
     for text in (running, final):
         assert "rows/s" in text and "items/s (embeddings)" in text and "generated" not in text, text
+
+
+def test_without_a_terminal_the_last_line_shows_the_runs_figures(capsys):
+    p = Progress(3, tty=False, log_every=3600)
+    p.started -= 10
+    p.start()
+    p.add(ok=3, errors=0, in_tokens=30, generated_tokens=9)
+    p.stop("finished")
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "3/3 rows" in last and "since start" in last, last

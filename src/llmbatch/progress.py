@@ -294,6 +294,7 @@ class Progress:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+        self._last_log = 0.0  # without a live table, the last line is printed too: the run's figures
         self.tick()
         if self._live is not None:
             self._live.stop()
