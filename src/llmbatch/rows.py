@@ -166,6 +166,18 @@ def is_missing(value: Any) -> bool:
         return False
 
 
+def int_list(value: Any) -> list[int]:
+    """Token ids as a list of Python ints, from a list or a numpy array (as Ray Data hands
+    list columns over): one C-level conversion for an array, no walk per element."""
+    tolist = getattr(value, "tolist", None)
+    if tolist is not None and type(value).__module__ == "numpy" and getattr(value, "ndim", 0) == 1 \
+            and value.dtype.kind in "iu":
+        return tolist()
+    if isinstance(value, (list, tuple)):
+        return [int(t) for t in value]  # Python or numpy ints: int() takes both
+    return [int(t) for t in to_python(value)]
+
+
 def to_python(value: Any) -> Any:
     """Turn numpy arrays/scalars (as Ray Data hands lists over) back into plain Python."""
     if isinstance(value, dict):

@@ -37,7 +37,7 @@ from llmbatch.models import (
     resolve_model,
 )
 from llmbatch.reaper import watch_children
-from llmbatch.rows import MEDIA_DIGEST, OPENAI, Row, text_pair, to_python
+from llmbatch.rows import MEDIA_DIGEST, OPENAI, Row, int_list, text_pair, to_python
 
 logger = logging.getLogger(__name__)
 
@@ -257,7 +257,7 @@ class VLLMEngine:
             raise RowValidationError("the row has neither 'tokenized_prompt' nor a non-empty 'prompt'")
         if ids is None:
             return {"prompt": prompt_text}, None, prompt_text  # TextPrompt
-        ids = [int(t) for t in to_python(ids)]
+        ids = int_list(ids)
         if not ids:
             raise RowValidationError("'tokenized_prompt' is empty")
         return {"prompt_token_ids": ids}, ids, prompt_text  # TokensPrompt (a TypedDict: a plain dict)
@@ -268,10 +268,10 @@ class VLLMEngine:
         they are made here)."""
         if row.get("tokenized_prompt") is None:
             pair_tokens(row, pair, self._pair_tokenizer(), self.cross_encoder)
-        ids = [int(t) for t in to_python(row["tokenized_prompt"])]
+        ids = int_list(row["tokenized_prompt"])
         second = row.get("tokenized_prompt_2")
         return ({"prompt_token_ids": ids},
-                {"prompt_token_ids": [int(t) for t in to_python(second)]} if second is not None else None, ids)
+                {"prompt_token_ids": int_list(second)} if second is not None else None, ids)
 
     def _pair_tokenizer(self):
         if self._tokenizer is None:

@@ -5,6 +5,8 @@ engine sees it."""
 from __future__ import annotations
 
 import array
+import collections
+import copy
 import hashlib
 import json
 import logging
@@ -130,11 +132,47 @@ def row_sampling_params(raw: Any) -> tuple[dict[str, Any], Any]:
     return sp, sp.pop("structured_outputs", None)
 
 
-def sampling_params(raw: Any, max_model_len: int | None = None, detokenize_after: bool = False):
-    from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
+#: SamplingParams built for recent distinct sampling settings (rows of a job share a handful):
+#: building and validating one took about as long as the rest of a row's CPU work
+_PARAMS_MEMO: collections.OrderedDict[tuple, tuple[Any, dict[str, Any]]] = collections.OrderedDict()
+_PARAMS_MEMO_SIZE = 1024
+_VLLM: dict[str, Any] = {}
 
+
+def _vllm_params_types() -> tuple[Any, Any]:
+    """vLLM's SamplingParams and RequestOutputKind, imported once (``from vllm import ...`` in
+    a function goes through vLLM's lazy module attribute and the import system on every call)."""
+    if not _VLLM:
+        from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+        _VLLM.update(SamplingParams=SamplingParams, RequestOutputKind=RequestOutputKind)
+    return _VLLM["SamplingParams"], _VLLM["RequestOutputKind"]
+
+
+def sampling_params(raw: Any, max_model_len: int | None = None, detokenize_after: bool = False):
+    """A row's vLLM SamplingParams (checked: unknown names, types, max_tokens against the
+    context) and its canonical dict (the dedup key's part); the same settings again give a copy
+    of the params built the first time."""
     sp, so = row_sampling_params(raw)
+    memo = None
+    if so is None:
+        try:
+            memo = (json.dumps(sp, sort_keys=True), max_model_len, detokenize_after)
+        except (TypeError, ValueError):
+            memo = None
+        hit = _PARAMS_MEMO.get(memo) if memo is not None else None
+        if hit is not None:
+            return copy.copy(hit[0]), dict(hit[1])
+    params, canonical = _build_sampling_params(sp, so, max_model_len, detokenize_after)
+    if memo is not None:
+        _PARAMS_MEMO[memo] = (copy.copy(params), dict(canonical))
+        if len(_PARAMS_MEMO) > _PARAMS_MEMO_SIZE:
+            _PARAMS_MEMO.popitem(last=False)
+    return params, canonical
+
+
+def _build_sampling_params(sp: dict[str, Any], so: Any, max_model_len: int | None, detokenize_after: bool):
+    SamplingParams, RequestOutputKind = _vllm_params_types()
     sp.pop("truncate_prompt_tokens", None)  # applied by the tokenize stage
     known = [f for f in SamplingParams.__struct_fields__ if not f.startswith("_")]
     for key in sp:
