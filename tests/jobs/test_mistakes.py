@@ -224,3 +224,25 @@ def test_a_hub_model_is_checked_by_its_config_alone(tmp_path, monkeypatch):
     assert asked == [("org/there", ["config.json"], "hf_from_the_job")]
     with pytest.raises(ConfigError, match="--model .*'org/missing'.*OSError: 404: no such repository\\)"):
         check_model(load_job(data={**data, "model": {"source": "org/missing"}}))
+
+
+def test_a_run_refused_by_the_lock_leaves_the_other_drivers_new_job_alone(tmp_path, monkeypatch):
+    """Two starts of the same new job: the one refused by the lock removes nothing of the one
+    reading its input (a new job's directory goes only when its own run failed under the lock)."""
+    from llmbatch.errors import JobError
+    from llmbatch.jobs import run as run_module
+    from llmbatch.jobs.spec import load_job
+    from llmbatch.jobs.store import JobDir
+
+    (tmp_path / "in.csv").write_text(CSV["in.csv"])
+    spec = load_job(data={"input": {"path": str(tmp_path / "in.csv")}, "model": {"source": SMOL},
+                          "prompt": {"user": "Say {a}"}, "output": {"path": str(tmp_path / "out" / "x.parquet")}})
+    job = JobDir(spec.resolved_job_dir())
+    # this run looked before the other one made the folder
+    monkeypatch.setattr(run_module, "first_missing", lambda root: tmp_path / "out")
+    with job.locked():  # the other driver: its job.json written, its input not read yet
+        run_module.open_job(job, spec)
+        with pytest.raises(JobError, match="another process"):
+            run_module.run_job(spec, quiet=True)
+        assert job.meta_path.exists()
+    assert job.meta_path.exists() and not job.meta().ingested

@@ -12,7 +12,6 @@ there leaves nothing behind either (:func:`discard_unstarted`).
 from __future__ import annotations
 
 import os
-import shutil
 import tempfile
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from llmbatch.errors import ConfigError, JobError, ModelNotFoundError
 from llmbatch.io.readers import infer_format, open_input
 from llmbatch.jobs.openai_batch import errors_path, is_openai_batch
 from llmbatch.jobs.spec import JobSpec
-from llmbatch.jobs.store import JobDir
+from llmbatch.jobs.store import LOCK_NAME, JobDir
 from llmbatch.models import ALIASES, TEST_MODELS, check_model_source, resolve_model
 from llmbatch.redact import reveal
 
@@ -153,15 +152,27 @@ def first_missing(path: str | os.PathLike) -> Path | None:
     return path
 
 
-def discard_unstarted(job: JobDir, created: Path | None) -> None:
-    """After a run failed before its input was read: remove the job directory it created, and
-    the folders it created above it while they are empty."""
-    if created is None or not job.root.exists() or _ingested(job):
+def discard_unstarted(job: JobDir, created: Path | None) -> bool:
+    """Under the job's lock, after a run that created the job directory failed before its input
+    was read: remove what it wrote there (all but the lock); True when it did."""
+    if created is None or _ingested(job):
+        return False
+    job.reset()
+    return True
+
+
+def remove_created(job: JobDir, created: Path) -> None:
+    """Once the lock is released: the lock file and the folders the run created, while they are
+    empty and no driver took the lock meanwhile (that one keeps its files)."""
+    if job.is_running():
         return
-    shutil.rmtree(job.root, ignore_errors=True)
-    folder = job.root.parent
-    while folder != created.parent and folder.is_dir() and not any(folder.iterdir()):
-        folder.rmdir()
+    (job.root / LOCK_NAME).unlink(missing_ok=True)
+    folder = job.root
+    while folder != created.parent:
+        try:
+            folder.rmdir()
+        except OSError:  # not empty: someone else's now
+            return
         folder = folder.parent
 
 

@@ -28,7 +28,7 @@ from llmbatch.jobs.ingest import INGEST_ROWS, ingest
 from llmbatch.jobs.meta import JobMeta
 from llmbatch.jobs.openai_batch import check_batch_file, is_openai_batch
 from llmbatch.jobs.output import finish
-from llmbatch.jobs.preflight import INPUT, check_job, discard_unstarted, first_missing
+from llmbatch.jobs.preflight import INPUT, check_job, discard_unstarted, first_missing, remove_created
 from llmbatch.jobs.prompts import check_prompt_fields
 from llmbatch.jobs.spec import JobSpec, load_job, redacted_spec
 from llmbatch.jobs.store import JobDir, input_fingerprint, same_input
@@ -173,15 +173,20 @@ def run_job(job: JobSpec | str | os.PathLike, *, overrides: list[str] | None = N
     job_dir = JobDir(spec.resolved_job_dir())
     check_job(spec, job_dir, force=force)  # before anything is created or started
     created = first_missing(job_dir.root)
+    discarded = False
     try:
         with job_dir.locked():
-            meta = open_job(job_dir, spec, force=force, allow_config_change=retry_errors)
-            with job_terminal(job_dir.log_path) as terminal:  # Ray's and vLLM's lines to log.txt
-                return _run_locked(job_dir, spec, meta, retry_errors=retry_errors, report=report, quiet=quiet,
-                                   tty=tty, entered=entered, terminal=terminal)
-    except LLMBatchError:
-        discard_unstarted(job_dir, created)  # a mistake found while reading the input leaves nothing
-        raise
+            try:
+                meta = open_job(job_dir, spec, force=force, allow_config_change=retry_errors)
+                with job_terminal(job_dir.log_path) as terminal:  # Ray's and vLLM's lines to log.txt
+                    return _run_locked(job_dir, spec, meta, retry_errors=retry_errors, report=report,
+                                       quiet=quiet, tty=tty, entered=entered, terminal=terminal)
+            except LLMBatchError:  # a mistake found while reading the input leaves nothing behind
+                discarded = discard_unstarted(job_dir, created)
+                raise
+    finally:
+        if discarded:
+            remove_created(job_dir, created)
 
 
 def _run_locked(job_dir: JobDir, spec: JobSpec, meta: JobMeta, *, retry_errors: bool, report: bool,
