@@ -1,8 +1,8 @@
 """CPU per row in a replica, outside the engine: the real stages of a job's replica (the job's
 prompt template, chat template, tokenizer, the engine stage with its dedup, detokenize) and the
-row codec, over rows that share a dozen companies, with an engine that answers at once.
+row codec, over rows that share a dozen companies (``--distinct``), with an engine that answers at once.
 
-    python bench/row_cpu.py [--rows 10000] [--repeat 3] [--system LABEL=SRC ...] [--out FILE]
+    python bench/row_cpu.py [--rows 10000] [--distinct 12] [--demo-prompt] [--repeat 3] [--system LABEL=SRC ...] [--out FILE]
 
 Each measurement is a fresh process (``--system`` runs another source tree, e.g. a git worktree
 of an older commit, with the same Python and packages; systems alternate within each repeat).
@@ -22,10 +22,9 @@ import sys
 import time
 from pathlib import Path
 
-COMPANIES = [f"Company {c}" for c in "ABCDEFGHIJKL"]
 
 
-def measure(rows: int) -> dict:
+def measure(rows: int, distinct: int, demo_prompt: bool) -> dict:
     import tempfile
 
     from llmbatch.codec import decode_rows, encode_rows
@@ -34,12 +33,16 @@ def measure(rows: int) -> dict:
     from llmbatch.rows import ROW_ID
     from llmbatch.stages.runner import run_stages
 
+    from llmbatch.demo import SYSTEM_PROMPT, USER_PROMPT
+
     folder = Path(tempfile.mkdtemp(prefix="row-cpu-"))
+    prompt = ({"system": SYSTEM_PROMPT, "user": USER_PROMPT} if demo_prompt
+              else {"user": "Which industry is {Company} in? One word."})
     (folder / "in.csv").write_text("Index,Company\n0,Company A\n")
     spec = load_job(data={"input": {"path": str(folder / "in.csv"), "id_column": "Index"},
                           "model": {"source": "smollm2-135m-instruct", "engine_kwargs": {"max_model_len": 512},
                                     "keep_warm_s": 0},
-                          "prompt": {"user": "Which industry is {Company} in? One word."},
+                          "prompt": prompt,
                           "sampling_params": {"temperature": 0, "max_tokens": 4},
                           "output": {"path": str(folder / "out.parquet")}})
     layout = build_job_processor(spec).layout
@@ -60,7 +63,8 @@ def measure(rows: int) -> dict:
         for stage in stages:
             stage.begin()
             await stage.start()
-        batch = encode_rows([{"Index": str(i), "Company": COMPANIES[i % 12], ROW_ID: i} for i in range(rows + 256)])
+        companies = [f"Company {i} of {distinct}" for i in range(distinct)]
+        batch = encode_rows([{"Index": str(i), "Company": companies[i % distinct], ROW_ID: i} for i in range(rows + 256)])
         async for chunk in run_stages(stages, decode_rows(batch.slice(0, 256))):  # warm-up
             encode_rows(chunk)
         wall, cpu = time.perf_counter(), time.process_time()
@@ -70,26 +74,30 @@ def measure(rows: int) -> dict:
         return time.perf_counter() - wall, time.process_time() - cpu
 
     wall, cpu = asyncio.run(go())
-    return {"rows": rows, "cpu_us_per_row": round(cpu / rows * 1e6, 1), "wall_us_per_row": round(wall / rows * 1e6, 1)}
+    return {"rows": rows, "distinct": distinct, "demo_prompt": demo_prompt, "cpu_us_per_row": round(cpu / rows * 1e6, 1), "wall_us_per_row": round(wall / rows * 1e6, 1)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=10000)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--distinct", type=int, default=12, help="distinct companies among the rows")
+    ap.add_argument("--demo-prompt", action="store_true",
+                    help="the demo's prompt (a 250-token few-shot system prompt, the company as the user turn)")
     ap.add_argument("--system", action="append", default=[])
     ap.add_argument("--out", default="")
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
-        print(json.dumps(measure(args.rows)))
+        print(json.dumps(measure(args.rows, args.distinct, args.demo_prompt)))
         return
     systems = [s.split("=", 1) for s in args.system] or [["current", str(Path(__file__).resolve().parent.parent / "src")]]
     runs = []
     for r in range(args.repeat):
         for label, src in (systems if r % 2 == 0 else systems[::-1]):
             env = {**os.environ, "PYTHONPATH": src}
-            out = subprocess.run([sys.executable, __file__, "--one", "--rows", str(args.rows)], env=env,
+            out = subprocess.run([sys.executable, __file__, "--one", "--rows", str(args.rows),
+                                  "--distinct", str(args.distinct), *(["--demo-prompt"] if args.demo_prompt else [])], env=env,
                                  capture_output=True, text=True, timeout=1200)
             result = json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else {"failed": out.stderr[-2000:]}
             runs.append({"system": label, "repeat": r, **result})

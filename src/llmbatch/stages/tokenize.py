@@ -18,6 +18,7 @@ from llmbatch.errors import PromptTooLongError, RowValidationError
 from llmbatch.models import is_sequence_classifier, load_tokenizer, model_max_len, resolve_model
 from llmbatch.rows import ADD_SPECIAL_TOKENS, DEFAULT_MAX_TOKENS, OPENAI, Row, text_pair
 from llmbatch.stages.base import Stage
+from llmbatch.stages.pieces import PieceEncoder
 
 
 class TokenizeStage(Stage):
@@ -37,9 +38,12 @@ class TokenizeStage(Stage):
         self.generate = task == "generate"
         self.cross_encoder = False
         self.tokenizer = None
+        self.pieces: PieceEncoder | None = None
 
     def setup(self) -> None:
         self.tokenizer = load_tokenizer(self.model_source, self.trust_remote_code)
+        # templated prompts share most of their text: each distinct piece is encoded once
+        self.pieces = PieceEncoder(self.tokenizer)
         path = resolve_model(self.model_source)
         if self.max_model_len is None:
             self.max_model_len = model_max_len(path)
@@ -122,7 +126,11 @@ class TokenizeStage(Stage):
             if not group:
                 continue
             try:
-                encoded = self.tokenizer([r["prompt"] for r in group], add_special_tokens=special)["input_ids"]
+                prompts = [r["prompt"] for r in group]
+                if not special and self.pieces is not None:
+                    encoded = self.pieces.encode(prompts)
+                else:
+                    encoded = self.tokenizer(prompts, add_special_tokens=special)["input_ids"]
             except Exception:  # noqa: BLE001 - fall back to one row at a time to find the bad one
                 encoded = None
             for i, row in enumerate(group):
