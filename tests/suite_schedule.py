@@ -16,12 +16,13 @@ from xdist.scheduler import LoadFileScheduling
 LONGEST_FIRST = (  # seconds per file in a fresh-clone run at 20ab27f+: 382, 201, 199, 189, 182, ...
     "tests/e2e/test_lora_logprobs.py", "tests/e2e/test_jobs.py", "tests/e2e/test_examples.py",
     "tests/e2e/test_http_vllm.py", "tests/e2e/test_plan_shapes.py", "tests/e2e/test_tasks.py",
-    "tests/e2e/test_errors.py", "tests/e2e/test_processor_vllm.py", "tests/e2e/test_http_faults.py",
-    "tests/e2e/test_openai_server.py", "tests/e2e/test_serve.py", "tests/e2e/test_ray_checkpoints.py",
-    "tests/e2e/test_workload_optimizations.py", "tests/e2e/test_cluster_nodes.py",
-    "tests/e2e/test_multimodal.py", "tests/e2e/test_trust.py", "tests/engines/test_vllm_setup.py",
-    "tests/stages/test_warm.py", "tests/e2e/test_audio.py", "tests/e2e/test_openai_batch_files.py",
-    "tests/e2e/test_ray_address.py", "tests/e2e/test_stall.py",
+    "tests/e2e/test_errors.py", "tests/e2e/test_terminal.py", "tests/e2e/test_processor_vllm.py",
+    "tests/e2e/test_http_faults.py", "tests/e2e/test_openai_server.py", "tests/e2e/test_serve.py",
+    "tests/e2e/test_ray_checkpoints.py", "tests/e2e/test_workload_optimizations.py",
+    "tests/e2e/test_batch_media.py", "tests/e2e/test_cluster_nodes.py", "tests/e2e/test_multimodal.py",
+    "tests/e2e/test_trust.py", "tests/engines/test_vllm_setup.py", "tests/stages/test_warm.py",
+    "tests/e2e/test_audio.py", "tests/e2e/test_openai_batch_files.py", "tests/e2e/test_ray_address.py",
+    "tests/e2e/test_stall.py", "tests/e2e/test_serve_tenants.py",
 )
 
 
