@@ -107,6 +107,10 @@ class EndpointConnectionError(EndpointError):
     """The connection failed or dropped (refused, reset, closed mid-answer) on every attempt."""
 
 
+class ResponseTooLargeError(EndpointError):
+    """An endpoint's answer over the engine's size limit (not retried: it would answer the same)."""
+
+
 class InvalidResponseError(EndpointError):
     """The endpoint answered 2xx with a body that is not the JSON expected (invalid, truncated)."""
 

@@ -62,6 +62,13 @@ class Endpoint:
         if action == "drop":
             request.transport.close()
             raise asyncio.CancelledError
+        if action == "huge":  # streamed without a length, past the engine's limit
+            resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+            await resp.prepare(request)
+            for _ in range(64):
+                await resp.write(b" " * 65536)
+            await resp.write_eof()
+            return resp
         if action == "badjson":
             return web.Response(text="<html>", content_type="application/json")
         raise AssertionError(action)
@@ -203,3 +210,17 @@ def test_the_engine_stage_turns_a_400_into_an_error_row_and_answers_the_rest():
     assert errors["good"] == "" and errors["other"] == ""
     assert errors["bad"].startswith('engine: HttpStatusError: HTTP 400 Bad Request: {"error"')
     assert json.dumps(errors)  # plain text
+
+
+def test_an_answer_over_the_size_limit_is_the_rows_error_and_not_retried():
+    from llmbatch.errors import ResponseTooLargeError
+
+    endpoint = Endpoint({"q": ["huge"]})
+
+    async def one(engine, _):
+        engine.max_response_bytes = 1 << 20  # the reply streams 4 MiB
+        return await _one(engine, "q")
+
+    with pytest.raises(ResponseTooLargeError, match="passed the 1,048,576-byte limit"):
+        run(endpoint, one)
+    assert endpoint.attempts["q"] == 1

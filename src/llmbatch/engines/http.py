@@ -47,6 +47,7 @@ from llmbatch.errors import (
     EndpointTimeoutError,
     HttpStatusError,
     InvalidResponseError,
+    ResponseTooLargeError,
     RowValidationError,
 )
 from llmbatch.redact import redact_text, reveal
@@ -125,6 +126,27 @@ class _Retry(Exception):
         self.error, self.wait, self.overload = error, wait, overload
 
 
+#: the largest answer read from an endpoint (a reply over it is the row's error, not a
+#: replica's memory: a misbehaving or hostile endpoint can send without end)
+MAX_RESPONSE_BYTES = 64 << 20
+
+
+async def read_capped(resp: Any, limit: int) -> bytes:
+    """The body of ``resp`` (aiohttp), refused past ``limit`` bytes as it streams in."""
+    length = resp.headers.get("Content-Length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise ResponseTooLargeError(f"the endpoint's answer is {int(length):,} bytes, over the "
+                                    f"{limit:,}-byte limit; ask for less (max_tokens) or raise the limit")
+    chunks, size = [], 0
+    async for chunk in resp.content.iter_chunked(1 << 16):
+        size += len(chunk)
+        if size > limit:
+            raise ResponseTooLargeError(f"the endpoint's answer passed the {limit:,}-byte limit and was cut "
+                                        "off there; ask for less (max_tokens) or raise the limit")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 class HttpEngine:
     """Rows to an OpenAI-compatible endpoint (see module docstring)."""
 
@@ -144,6 +166,7 @@ class HttpEngine:
         self.base_retry_wait_s = base_retry_wait_s
         self.capacity = max_concurrent_requests
         self.request_timeout_s = request_timeout_s
+        self.max_response_bytes = MAX_RESPONSE_BYTES
         self.dedup = dedup
         self.structured_fields = structured_fields
         self.session_factory = session_factory
@@ -263,7 +286,7 @@ class HttpEngine:
             async with self.session.post(request.prompt, data=body, headers=self._headers(multipart),
                                          timeout=timeout) as resp:
                 status, reason, headers = resp.status, resp.reason or "", resp.headers
-                raw = await resp.read()
+                raw = await read_capped(resp, self.max_response_bytes)
         except asyncio.TimeoutError:
             raise _Retry(EndpointTimeoutError(f"no complete answer within request_timeout_s={self.request_timeout_s:g} s"))
         except aiohttp.ClientPayloadError as exc:
