@@ -15,6 +15,8 @@ the user's postprocess.
 
 from __future__ import annotations
 
+import array
+
 import math
 from typing import Any
 
@@ -174,7 +176,10 @@ def int_list(value: Any) -> list[int]:
             and value.dtype.kind in "iu":
         return tolist()
     if isinstance(value, (list, tuple)):
-        return [int(t) for t in value]  # Python or numpy ints: int() takes both
+        try:  # one C-level pass (Python or numpy ints alike); a bool or a float is refused
+            return array.array("q", value).tolist()
+        except TypeError:
+            return [int(t) for t in value]
     return [int(t) for t in to_python(value)]
 
 
