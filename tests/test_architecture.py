@@ -142,3 +142,25 @@ def test_the_files_scheduled_first_exist():
 
     repo = Path(__file__).resolve().parents[1]
     assert [p for p in LONGEST_FIRST if not (repo / p).is_file()] == []
+
+
+def test_every_engine_inherits_the_engine_base():
+    """The engine seam is one class (engines/base.py): the engine stage calls its hooks plainly,
+    so an engine that does not inherit it would miss the defaults."""
+    import importlib
+    import inspect
+
+    from llmbatch.engines.base import Engine
+
+    loose = []
+    for name in sorted(m for m in modules() if m.startswith("engines.")):
+        tree = ast.parse(modules()[name].read_text())
+        for node in tree.body:
+            if not isinstance(node, ast.ClassDef) or node.name == "Engine":
+                continue
+            methods = {n.name for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+            if {"build_request", "run"} <= methods:
+                cls = getattr(importlib.import_module(f"llmbatch.{name}"), node.name)
+                if not (inspect.isclass(cls) and issubclass(cls, Engine)):
+                    loose.append(f"{name}.{node.name}")
+    assert not loose, f"inherit llmbatch.engines.base.Engine: {loose}"

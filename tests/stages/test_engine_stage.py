@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from llmbatch.engines.base import Request
+from llmbatch.engines.base import Engine, Request
 from llmbatch.errors import RowError, RowValidationError
 from llmbatch.rows import ERROR_COLUMN, STATS
 from llmbatch.stages.engine import EngineStage
@@ -18,7 +18,7 @@ class EngineDied(Exception):
     pass
 
 
-class FakeEngine:
+class FakeEngine(Engine):
     def __init__(self, die_on: set[str] | None = None, die_times: int = 1):
         self.capacity = 8
         self.calls: list[str] = []

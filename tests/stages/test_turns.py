@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import asyncio
 
-from llmbatch.engines.base import Request
+from llmbatch.engines.base import Engine, Request
 from llmbatch.stages.engine import EngineStage
 from llmbatch.stages.turns import Turns
 
 
-class MixRecorder:
+class MixRecorder(Engine):
     """A fake engine: each request takes a moment; it records the groups inside at once."""
 
     def __init__(self, apart: bool):

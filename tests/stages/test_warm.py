@@ -12,14 +12,14 @@ import time
 
 import pytest
 
-from llmbatch.engines.base import Request
+from llmbatch.engines.base import Engine, Request
 from llmbatch.errors import EngineStartError
 from llmbatch.rows import STATS
 from llmbatch.stages.engine import EngineStage
 from llmbatch.stages import engine_host, warm
 
 
-class FakeEngine:
+class FakeEngine(Engine):
     """Answers each row with the process and the number of starts it has seen."""
 
     def __init__(self, name: str = "a", fail_start: bool = False, delay_s: float = 0.0):

@@ -1,4 +1,4 @@
-"""An OpenAI-compatible HTTP endpoint behind the engine protocol.
+"""An OpenAI-compatible HTTP endpoint behind the engine base class.
 
 A row carries its own request (``payload``, Ray's contract: sent as it is, JSON, or multipart
 when a value is bytes, as audio transcription endpoints take it) or asks as rows do for the
@@ -26,7 +26,7 @@ import random
 import time
 from typing import Any
 
-from llmbatch.engines.base import Request
+from llmbatch.engines.base import Engine, Request
 from llmbatch.engines.limits import (
     AdaptiveConcurrency,
     RateLimits,
@@ -147,7 +147,7 @@ async def read_capped(resp: Any, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-class HttpEngine:
+class HttpEngine(Engine):
     """Rows to an OpenAI-compatible endpoint (see module docstring)."""
 
     #: what a row needs: its own request, or messages/prompt

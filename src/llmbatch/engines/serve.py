@@ -1,4 +1,4 @@
-"""A shared Ray Serve deployment behind the engine protocol.
+"""A shared Ray Serve deployment behind the engine base class.
 
 Several processors (a draft step, then a critique step over its output) send their rows to one
 engine deployed with Ray Serve, so the model loads once. Rows carry Ray's contract: ``method``
@@ -22,7 +22,7 @@ import logging
 import time
 from typing import Any
 
-from llmbatch.engines.base import Request
+from llmbatch.engines.base import Engine, Request
 from llmbatch.engines.openai_api import (
     CHAT,
     answer_columns,
@@ -53,7 +53,7 @@ def _error_names(exc: BaseException) -> set[str]:
     return names
 
 
-class ServeEngine:
+class ServeEngine(Engine):
     """Rows to a Ray Serve deployment (see module docstring)."""
 
     required_any = (("request_kwargs", "messages", "prompt"),)

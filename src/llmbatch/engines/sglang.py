@@ -1,4 +1,4 @@
-"""SGLang behind the engine protocol: one ``sglang.Engine`` per replica (GPU only).
+"""SGLang behind the engine base class: one ``sglang.Engine`` per replica (GPU only).
 
 The engine runs its scheduler (the GPU) and detokenizer in child processes of the replica,
 and takes requests on the replica's asyncio loop (``Engine.async_generate``), so many are in
@@ -30,7 +30,7 @@ import time
 from typing import Any
 
 from llmbatch import startlog
-from llmbatch.engines.base import Request
+from llmbatch.engines.base import Engine, Request
 from llmbatch.engines.logs import EngineLog
 from llmbatch.engines.sglang_params import output_columns, sampling_params
 from llmbatch.engines.vllm_params import _suggest, request_digest
@@ -123,7 +123,7 @@ def check_engine_kwargs(kwargs: dict[str, Any], known: list[str]) -> None:
             raise EngineStartError(f"engine_kwargs: '{key}' is not an sglang.Engine argument{_suggest(key, known)}")
 
 
-class SGLangEngine:
+class SGLangEngine(Engine):
     """One ``sglang.Engine`` with llmbatch's request building and output shaping."""
 
     def __init__(self, model_source: str, engine_kwargs: dict[str, Any], task_type: str = "generate"):

