@@ -164,3 +164,36 @@ def test_every_engine_inherits_the_engine_base():
                 if not (inspect.isclass(cls) and issubclass(cls, Engine)):
                     loose.append(f"{name}.{node.name}")
     assert not loose, f"inherit llmbatch.engines.base.Engine: {loose}"
+
+
+def is_private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def test_no_private_name_is_used_across_modules():
+    """A ``_name`` is its module's own: one that another module needs is public (with a
+    docstring) or lives in the module that uses it. Checks ``from llmbatch.x import _y`` and
+    ``x._y`` where ``x`` is an imported llmbatch module."""
+    mods = modules()
+    wrong = []
+    for name, path in sorted(mods.items()):
+        tree = ast.parse(path.read_text())
+        aliases = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("llmbatch"):
+                base = node.module.removeprefix("llmbatch").lstrip(".")
+                for alias in node.names:
+                    full = f"{base}.{alias.name}" if base else alias.name
+                    if full in mods:
+                        aliases[alias.asname or alias.name] = full
+                    elif is_private(alias.name) and base != name:
+                        wrong.append(f"{name}:{node.lineno} imports {alias.name} from {base}")
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name.startswith("llmbatch.") and alias.asname:
+                        aliases[alias.asname] = alias.name.removeprefix("llmbatch.")
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and is_private(node.attr)
+                    and aliases.get(node.value.id, name) != name):
+                wrong.append(f"{name}:{node.lineno} uses {aliases[node.value.id]}.{node.attr}")
+    assert not wrong, "make it public or move it where it is used:\n" + "\n".join(wrong)

@@ -118,7 +118,7 @@ def test_ray_multimodal_settings_are_accepted_without_side_effects(field, value)
 
 
 def test_log_engine_metrics_says_what_it_needs_where_ray_serve_is_missing():
-    from llmbatch.engines.vllm_setup import _ray_stat_logger
+    from llmbatch.engines.vllm_setup import ray_stat_logger
     from llmbatch.errors import MissingDependencyError
 
     try:
@@ -128,7 +128,7 @@ def test_log_engine_metrics_says_what_it_needs_where_ray_serve_is_missing():
     else:
         serve = True
     if serve:
-        assert _ray_stat_logger() is not None
+        assert ray_stat_logger() is not None
     else:
         with pytest.raises(MissingDependencyError, match=r"ray\[serve\]"):
-            _ray_stat_logger()
+            ray_stat_logger()

@@ -84,7 +84,7 @@ def _format_validation_error(cls_name: str, exc: ValidationError, known: list[st
     return f"{cls_name}: " + " ".join(lines)
 
 
-class _Config(BaseModel):
+class BaseConfig(BaseModel):
     """Base of all configs: unknown fields are errors, assignments are validated."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, arbitrary_types_allowed=True)
@@ -128,7 +128,7 @@ def _check_concurrency(value: Concurrency | None) -> Concurrency | None:
 # ---------------------------------------------------------------------------- stage configs
 
 
-class StageConfig(_Config):
+class StageConfig(BaseConfig):
     """Settings shared by every CPU stage (chat template, tokenize, detokenize, multimodal).
 
     ``None`` means "inherit from the processor" (batch size, concurrency, runtime env).
@@ -206,7 +206,7 @@ def resolve_stage_config(value: Any, cls: type[StageConfig], field: str) -> Stag
 # ---------------------------------------------------------------------------- processor configs
 
 
-class ProcessorConfig(_Config):
+class ProcessorConfig(BaseConfig):
     """Settings every processor has."""
 
     batch_size: int = Field(32, ge=1, json_schema_extra=NUMERICS, description="Rows per batch handed to each stage. Larger batches amortise overhead; llmbatch streams rows out of a batch as they finish, so large batches do not hold rows back.")
@@ -474,7 +474,7 @@ class ServeDeploymentProcessorConfig(EndpointProcessorConfig):
     request_timeout_s: Optional[float] = Field(None, gt=0, json_schema_extra=PLACEMENT, description="Longest wait for one answer; past it the row fails with EndpointTimeoutError. None: wait as long as it takes.")
 
 
-class LLMConfig(_Config):
+class LLMConfig(BaseConfig):
     """A model to deploy with Ray Serve for ServeDeploymentProcessorConfig (the fields of Ray Serve
     LLM's LLMConfig that llmbatch reads)."""
 

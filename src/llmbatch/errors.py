@@ -17,6 +17,13 @@ def did_you_mean(name: str, known: Iterable[str], cutoff: float = 0.6) -> str | 
     return close[0] if close else None
 
 
+def suggestion(name: str, known: Iterable[str], cutoff: float = 0.6) -> str:
+    """The did-you-mean hint to append to an error message: `` (did you mean 'x'?)``, or ""
+    when no known name is close to ``name``."""
+    close = did_you_mean(name, known, cutoff)
+    return f" (did you mean '{close}'?)" if close else ""
+
+
 class LLMBatchError(Exception):
     """Base class of every llmbatch error."""
 

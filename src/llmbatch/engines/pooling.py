@@ -17,8 +17,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from llmbatch.engines.vllm_params import _suggest
-from llmbatch.errors import RowValidationError
+from llmbatch.errors import RowValidationError, suggestion
 from llmbatch.rows import to_python
 
 #: Pooling params a row may set, per task, and the older names they may go by.
@@ -45,7 +44,7 @@ def pooling_params(raw: Any, task: str, cross_encoder: bool = False):
         allowed = USER_PARAMS[task]
         if name not in allowed:
             raise RowValidationError(f"pooling param '{key}' is not one that task {task!r} takes"
-                                     f"{_suggest(key, list(allowed) + list(ALIASES))}; it takes {', '.join(allowed)}")
+                                     f"{suggestion(key, list(allowed) + list(ALIASES))}; it takes {', '.join(allowed)}")
         if name == "use_activation" and not isinstance(value, bool):
             raise RowValidationError(f"pooling param '{key}' must be true or false, got {value!r}")
         if name == "dimensions" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):

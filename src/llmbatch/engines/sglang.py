@@ -33,9 +33,9 @@ from llmbatch import startlog
 from llmbatch.engines.base import Engine, Request
 from llmbatch.engines.logs import EngineLog
 from llmbatch.engines.sglang_params import output_columns, sampling_params
-from llmbatch.engines.vllm_params import _suggest, request_digest
+from llmbatch.engines.vllm_params import request_digest
 from llmbatch.engines.vllm_setup import one_line
-from llmbatch.errors import EngineStartError, MissingDependencyError, ResourceError, RowValidationError
+from llmbatch.errors import EngineStartError, MissingDependencyError, ResourceError, RowValidationError, suggestion
 from llmbatch.models import resolve_model
 from llmbatch.reaper import watch_children
 from llmbatch.rows import OPENAI, Row, to_python
@@ -120,7 +120,7 @@ def check_engine_kwargs(kwargs: dict[str, Any], known: list[str]) -> None:
     """Unknown SGLang arguments fail before the engine starts, with the closest known name."""
     for key in kwargs:
         if key not in known:
-            raise EngineStartError(f"engine_kwargs: '{key}' is not an sglang.Engine argument{_suggest(key, known)}")
+            raise EngineStartError(f"engine_kwargs: '{key}' is not an sglang.Engine argument{suggestion(key, known)}")
 
 
 class SGLangEngine(Engine):

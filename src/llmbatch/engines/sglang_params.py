@@ -13,8 +13,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from llmbatch.engines.vllm_params import _suggest, check_types, row_sampling_params, validate_structured
-from llmbatch.errors import RowValidationError
+from llmbatch.engines.vllm_params import check_types, row_sampling_params, validate_structured
+from llmbatch.errors import RowValidationError, suggestion
 from llmbatch.rows import to_python
 
 #: vLLM's default ``max_tokens``; SGLang's own default (128) would change a row's answer
@@ -63,7 +63,7 @@ def structured_params(spec: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     for key in spec:
         if key not in _STRUCTURED:
             raise RowValidationError(f"structured_outputs key '{key}' is not supported by the SGLang engine"
-                                     f"{_suggest(key, list(_STRUCTURED))}; supported: {', '.join(_STRUCTURED)}")
+                                     f"{suggestion(key, list(_STRUCTURED))}; supported: {', '.join(_STRUCTURED)}")
     if len(spec) != 1:
         raise RowValidationError(f"structured_outputs takes exactly one of {', '.join(_STRUCTURED)}; got {sorted(spec) or 'none'}")
     spec = validate_structured(spec)
@@ -98,7 +98,7 @@ def sampling_params(raw: Any, context_len: int | None = None,
         if key in UNSUPPORTED:
             raise RowValidationError(f"sampling param '{key}': {UNSUPPORTED[key]}")
         if key not in known:
-            raise RowValidationError(f"sampling param '{key}' is not supported by the SGLang engine{_suggest(key, known)}")
+            raise RowValidationError(f"sampling param '{key}' is not supported by the SGLang engine{suggestion(key, known)}")
     check_types(sp)
     for key in _NATIVE_INTS:
         if key in sp and (isinstance(sp[key], bool) or not isinstance(sp[key], int)):

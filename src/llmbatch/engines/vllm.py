@@ -19,7 +19,6 @@ from llmbatch.engines.logs import EngineLog
 from llmbatch.engines.lora import Adapters, base_rows_apart
 from llmbatch.engines.pooling import as_floats, classification, cosine, pooling_params
 from llmbatch.engines.vllm_params import (
-    _suggest,
     completion_row,
     logprobs_rows,
     pair_tokens,
@@ -28,8 +27,8 @@ from llmbatch.engines.vllm_params import (
 )
 from llmbatch import startlog
 from llmbatch.engines import vllm_procs
-from llmbatch.engines.vllm_setup import _import_vllm, _ray_stat_logger, engine_arguments, engine_env, on_cpu, one_line
-from llmbatch.errors import EngineStartError, RowValidationError
+from llmbatch.engines.vllm_setup import engine_arguments, engine_env, import_vllm, on_cpu, one_line, ray_stat_logger
+from llmbatch.errors import EngineStartError, RowValidationError, suggestion
 from llmbatch.models import (
     id2label,
     is_sequence_classifier,
@@ -106,7 +105,7 @@ class VLLMEngine(Engine):
                     self._fork_server = vllm_procs.start_server()
 
     async def _start(self) -> None:
-        vllm = self._vllm = _import_vllm()
+        vllm = self._vllm = import_vllm()
         from vllm.usage.usage_lib import UsageContext
 
         self.model_path = resolve_model(self.model_source)
@@ -115,13 +114,13 @@ class VLLMEngine(Engine):
         stat_loggers = None
         if self.log_metrics:
             kwargs["disable_log_stats"] = False
-            stat_loggers = [_ray_stat_logger()]
+            stat_loggers = [ray_stat_logger()]
         try:
             args = vllm.AsyncEngineArgs(**kwargs)
         except TypeError as exc:
             bad = re.search(r"'(\w+)'", str(exc))
             known = [f for f in vllm.AsyncEngineArgs.__dataclass_fields__]
-            hint = _suggest(bad.group(1), known) if bad else ""
+            hint = suggestion(bad.group(1), known) if bad else ""
             raise EngineStartError(f"engine_kwargs: {exc}{hint}") from exc
         if self._fork_server:
             self._fork_server = vllm_procs.use_server()

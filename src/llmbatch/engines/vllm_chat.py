@@ -22,7 +22,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from llmbatch.engines.vllm_setup import _import_vllm, one_line
+from llmbatch.engines.vllm_setup import import_vllm, one_line
 from llmbatch.errors import ConfigError, RowValidationError
 from llmbatch.models import resolve_model
 
@@ -62,7 +62,7 @@ class VllmChat:
         """Import what :meth:`setup` and a vLLM engine's start both use, once, before they run
         side by side on two threads (transformers' lazy top-level import is not safe to run
         from two threads at once)."""
-        vllm = _import_vllm()
+        vllm = import_vllm()
         import transformers
 
         vllm.EngineArgs  # noqa: B018 - vLLM's lazy attributes import here
@@ -75,7 +75,7 @@ class VllmChat:
     def setup(self) -> None:
         if self.model_config is not None:
             return
-        vllm = _import_vllm()
+        vllm = import_vllm()
         from vllm.renderers.hf import resolve_chat_template_content_format
         from vllm.tokenizers.registry import cached_tokenizer_from_config
 

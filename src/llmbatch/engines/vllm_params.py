@@ -14,16 +14,11 @@ import re
 import warnings
 from typing import Any
 
-from llmbatch.errors import RowValidationError, did_you_mean
+from llmbatch.errors import RowValidationError, suggestion
 from llmbatch.rows import to_python
 
 logger = logging.getLogger(__name__)
 _GUIDED_WARNED = False
-
-
-def _suggest(name: str, known: list[str]) -> str:
-    close = did_you_mean(name, known)
-    return f" (did you mean '{close}'?)" if close else ""
 
 
 _INT_PARAMS = ("n", "max_tokens", "min_tokens", "top_k", "seed", "logprobs", "prompt_logprobs")
@@ -105,7 +100,7 @@ def structured_outputs(spec: Any):
     known = [f for f in StructuredOutputsParams.__dataclass_fields__ if not f.startswith("_")]
     for key in spec:
         if key not in known:
-            raise RowValidationError(f"unknown structured_outputs key '{key}'{_suggest(key, known)}; known: {', '.join(known)}")
+            raise RowValidationError(f"unknown structured_outputs key '{key}'{suggestion(key, known)}; known: {', '.join(known)}")
     spec = validate_structured(spec)
     try:
         return StructuredOutputsParams(**spec)
@@ -177,7 +172,7 @@ def _build_sampling_params(sp: dict[str, Any], so: Any, max_model_len: int | Non
     known = [f for f in SamplingParams.__struct_fields__ if not f.startswith("_")]
     for key in sp:
         if key not in known or key == "output_kind":
-            raise RowValidationError(f"unknown sampling param '{key}'{_suggest(key, known)}")
+            raise RowValidationError(f"unknown sampling param '{key}'{suggestion(key, known)}")
     check_types(sp)
     if so is not None:
         sp["structured_outputs"] = structured_outputs(so)

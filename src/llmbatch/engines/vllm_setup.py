@@ -41,7 +41,9 @@ def engine_env() -> None:
     os.environ.setdefault("DO_NOT_TRACK", "1")
 
 
-def _import_vllm():
+def import_vllm():
+    """Import vLLM with llmbatch's environment set (engine_env); a missing vLLM is a
+    MissingDependencyError with the pip command."""
     engine_env()
     try:
         import vllm
@@ -156,7 +158,7 @@ def engine_arguments(model_path: str, engine_kwargs: dict[str, Any], task_type: 
     return {"model": model_path, **kwargs}
 
 
-def _ray_stat_logger():
+def ray_stat_logger():
     """vLLM's logger that exports engine metrics as Ray metrics (needs Ray Serve's package)."""
     try:
         from ray.util import metrics  # noqa: F401

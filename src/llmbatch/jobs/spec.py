@@ -33,7 +33,7 @@ from llmbatch.config import (
     ProcessorConfig,
     ServeDeploymentProcessorConfig,
     SGLangEngineProcessorConfig,
-    _Config,
+    BaseConfig,
     vLLMEngineProcessorConfig,
 )
 from llmbatch.errors import ConfigError, did_you_mean
@@ -56,7 +56,7 @@ PROCESSOR_CONFIGS: dict[str, type[ProcessorConfig]] = {
 }
 
 
-class InputSpec(_Config):
+class InputSpec(BaseConfig):
     """Where the rows come from."""
 
     path: str = Field(..., description="Local path, http(s):// URL, or s3:// / gs:// (with the s3/gcs extra).")
@@ -69,7 +69,7 @@ class InputSpec(_Config):
     column_types: Optional[dict[str, Literal["string", "int64", "float64", "bool", "date32"]]] = Field(None, description="CSV only: the output type of these columns, e.g. {Zip: string} to keep leading zeros. Others are inferred as Arrow's CSV reader does (int64, float64, bool, date32, else string); prompts always show the cell text as written.")
 
 
-class ModelSpec(_Config):
+class ModelSpec(BaseConfig):
     """The model and engine: any processor config field may be given here."""
 
     model_config = ConfigDict(extra="allow", validate_assignment=True)
@@ -97,7 +97,7 @@ class ModelSpec(_Config):
         return dict(self.model_extra or {})
 
 
-class PromptSpec(_Config):
+class PromptSpec(BaseConfig):
     """What to ask per row: templates over the row's fields (Python ``{Column}`` syntax)."""
 
     system: Optional[str] = Field(None, description="System message template.")
@@ -146,7 +146,7 @@ class PromptSpec(_Config):
         return list(dict.fromkeys(names))
 
 
-class OutputSpec(_Config):
+class OutputSpec(BaseConfig):
     """Where the answers go."""
 
     path: str = Field(..., description="Output file (local or fsspec URL).")
@@ -165,7 +165,7 @@ class OutputSpec(_Config):
         raise ConfigError(f"cannot tell the output format of {self.path!r}; set output.format to parquet, jsonl or csv")
 
 
-class JobSpec(_Config):
+class JobSpec(BaseConfig):
     """A whole job."""
 
     input: InputSpec
