@@ -83,14 +83,16 @@ def run_llmbatch(data: list[str], model: str, args, out: Path) -> dict:
     import pyarrow.parquet as pq
     import ray
 
-    from llmbatch import build_processor, vLLMEngineProcessorConfig
+    from llmbatch import vLLMEngineProcessorConfig
     from llmbatch.rows import STATS
 
     ray.init(include_dashboard=False, logging_level="WARNING")
     ray.data.DataContext.get_current().enable_progress_bars = False
     config = vLLMEngineProcessorConfig(model_source=model, task_type="embed", engine_kwargs=engine_kwargs(args),
                                        batch_size=args.batch_size)
-    processor = build_processor(config, preprocess=lambda r: {"prompt": r["text"]}, keep_private=(STATS,))
+    from llmbatch.builders import build_internal_processor
+
+    processor = build_internal_processor(config, preprocess=lambda r: {"prompt": r["text"]}, keep_private=(STATS,))
     ds = ray.data.from_items([{"id": i, "text": t} for i, t in enumerate(data)])
     folder = out.with_suffix(".d")
     processor(ds).write_parquet(str(folder))

@@ -115,7 +115,8 @@ def run_llmbatch(args, out: Path, pool: int | None = None) -> dict:
     import pyarrow.parquet as pq
     import ray
 
-    from llmbatch import build_processor, vLLMEngineProcessorConfig
+    from llmbatch import vLLMEngineProcessorConfig
+    from llmbatch.builders import build_internal_processor
     from llmbatch.rows import STATS
 
     ray.init(include_dashboard=False, logging_level="WARNING")
@@ -128,7 +129,7 @@ def run_llmbatch(args, out: Path, pool: int | None = None) -> dict:
                                        batch_size=args.batch_size, should_continue_on_error=True,
                                        prepare_multimodal_stage=mm)
     size, params = args.resize, sampling(args)
-    processor = build_processor(
+    processor = build_internal_processor(
         config, preprocess=lambda r: {"messages": conversation(decode_resize(r["image"], size)), "sampling_params": params},
         preprocess_map_kwargs={"concurrency": (1, pool)} if pool else None,
         postprocess=lambda r: {"id": r["id"], "caption": r["generated_text"], "n_out": r["num_generated_tokens"],

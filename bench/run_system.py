@@ -94,16 +94,17 @@ def _write(path: str, ids: list, texts: list, gen: list) -> None:
 def run_llmbatch(rows, model_path, args) -> dict:
     import ray
 
-    from llmbatch import build_processor, vLLMEngineProcessorConfig
+    from llmbatch import vLLMEngineProcessorConfig
 
     ray.init(include_dashboard=False, logging_level="WARNING")
     ray.data.DataContext.get_current().enable_progress_bars = False
     config = vLLMEngineProcessorConfig(model_source=model_path, engine_kwargs=engine_kwargs(args),
                                        batch_size=args.batch_size, concurrency=args.concurrency,
                                        dedup_requests=not args.no_dedup, sort_by_prefix=not args.no_sort)
+    from llmbatch.builders import build_internal_processor
     from llmbatch.rows import STATS
 
-    result = _collect(build_processor(config, keep_private=(STATS,))(ray.data.from_items(rows)), args.out_parquet)
+    result = _collect(build_internal_processor(config, keep_private=(STATS,))(ray.data.from_items(rows)), args.out_parquet)
     ray.shutdown()
     return result
 

@@ -86,7 +86,7 @@ def run_sglang(rows, args, writer) -> dict:
 def run_llmbatch(rows, args, writer, engine: str) -> dict:
     import ray
 
-    from llmbatch import SGLangEngineProcessorConfig, build_processor, vLLMEngineProcessorConfig
+    from llmbatch import SGLangEngineProcessorConfig, vLLMEngineProcessorConfig
     from llmbatch.rows import STATS
 
     # BENCH_RAY_INIT (JSON): extra ray.init arguments, e.g. {"num_gpus": 1} to try this script on a CPU
@@ -101,7 +101,9 @@ def run_llmbatch(rows, args, writer, engine: str) -> dict:
     else:
         config = vLLMEngineProcessorConfig(model_source=args.model, engine_kwargs=engine_kwargs(args, "vllm"),
                                            batch_size=args.batch_size, concurrency=1, **extra)
-    ds = build_processor(config, keep_private=(STATS,))(ray.data.from_items(rows))
+    from llmbatch.builders import build_internal_processor
+
+    ds = build_internal_processor(config, keep_private=(STATS,))(ray.data.from_items(rows))
     n = tokens = 0
     starts = []
     errors = []

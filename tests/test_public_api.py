@@ -35,3 +35,16 @@ def test_import_is_light():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["False", "False"]
     importlib.import_module("llmbatch.cli")
+
+
+def test_build_processor_has_rays_signature():
+    """``build_processor`` is Ray 2.60's, parameter for parameter: the job layer's knobs
+    (``keep_private``, ``encoded_output``) go through ``builders.build_internal_processor``."""
+    import inspect
+
+    from ray.data import llm as ray_llm
+
+    def shape(fn):
+        return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
+
+    assert shape(llmbatch.build_processor) == shape(ray_llm.build_processor)

@@ -4,7 +4,8 @@
 the config's type and resolves the config once into a typed
 :class:`~llmbatch.processor.Layout` (stages, pools, resources). Building has no side effects:
 no ``ray.init``, no downloads, nothing global. A config that no builder can run fails here,
-before any work.
+before any work. ``build_processor`` has Ray's signature exactly; llmbatch's own callers (the
+job driver, ``verify``) use :func:`build_internal_processor`, which adds the job layer's knobs.
 """
 
 from __future__ import annotations
@@ -66,18 +67,31 @@ def builder_for(config: ProcessorConfig) -> Builder:
     raise ConfigError(f"no processor for {type(config).__name__}; known: {', '.join(c.__name__ for c in _REGISTRY)}")
 
 
-def build_processor(config: ProcessorConfig, preprocess: UserFn | None = None,
-                    postprocess: UserFn | None = None, *, preprocess_map_kwargs: dict[str, Any] | None = None,
-                    postprocess_map_kwargs: dict[str, Any] | None = None, builder_kwargs: dict[str, Any] | None = None,
-                    **kwargs: Any) -> Processor:
-    """Build a processor for ``config`` (Ray's ``build_processor``/``build_llm_processor``).
+def build_processor(config: ProcessorConfig, preprocess: UserFn | None = None, postprocess: UserFn | None = None,
+                    preprocess_map_kwargs: dict[str, Any] | None = None,
+                    postprocess_map_kwargs: dict[str, Any] | None = None,
+                    builder_kwargs: dict[str, Any] | None = None) -> Processor:
+    """Build a processor for ``config`` (Ray's ``build_processor``/``build_llm_processor``, with
+    its exact signature).
 
     ``preprocess(row) -> dict`` returns the request fields (``messages`` or ``prompt``,
-    ``sampling_params``...); ``postprocess(row) -> dict`` returns the output row.
+    ``sampling_params``...); ``postprocess(row) -> dict`` returns the output row;
+    ``builder_kwargs`` go to the config's builder (e.g. ``chat_template_kwargs``).
     """
+    return build_internal_processor(config, preprocess, postprocess, preprocess_map_kwargs=preprocess_map_kwargs,
+                                    postprocess_map_kwargs=postprocess_map_kwargs, **(builder_kwargs or {}))
+
+
+def build_internal_processor(config: ProcessorConfig, preprocess: UserFn | None = None,
+                             postprocess: UserFn | None = None, *, keep_private: tuple[str, ...] = (),
+                             encoded_output: bool = False, **builder_kwargs: Any) -> Processor:
+    """:func:`build_processor` with the knobs only llmbatch's own callers use (not Ray's API):
+    ``keep_private``, private row keys the output keeps (the job layer's row ids, per-row
+    engine facts); ``encoded_output``, output rows left encoded for the job driver to commit.
+    ``builder_kwargs`` go to the config's builder (``preprocess_map_kwargs``, ...)."""
     builder = builder_for(config)
-    return builder(config, preprocess=preprocess, postprocess=postprocess, preprocess_map_kwargs=preprocess_map_kwargs,
-                   postprocess_map_kwargs=postprocess_map_kwargs, **{**(builder_kwargs or {}), **kwargs})
+    return builder(config, preprocess=preprocess, postprocess=postprocess, keep_private=keep_private,
+                   encoded_output=encoded_output, **builder_kwargs)
 
 
 build_llm_processor = build_processor

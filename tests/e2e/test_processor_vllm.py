@@ -13,6 +13,7 @@ import jsonschema
 import pytest
 
 from llmbatch import build_llm_processor, build_processor, vLLMEngineProcessorConfig
+from llmbatch.builders import build_internal_processor
 from llmbatch.rows import STATS, TASK_OUTPUT_COLUMNS
 
 pytestmark = pytest.mark.e2e
@@ -135,7 +136,7 @@ def no_post(ray_cluster, smollm2):
     # other is ready (under the suite's load one replica took them all once)
     config = vLLMEngineProcessorConfig(model_source="smollm2-135m-instruct", engine_kwargs=ENGINE,
                                        batch_size=4, concurrency=2, max_concurrent_batches=2)
-    processor = build_processor(
+    processor = build_internal_processor(
         config,
         preprocess=lambda row: dict(messages=[{"role": "user", "content": f"Say hello to {row['name']}."}],
                                     sampling_params=dict(temperature=0, max_tokens=5)),
@@ -228,7 +229,7 @@ def test_a_second_run_adopts_the_warm_engine_of_the_first(ray_cluster, smollm2):
     def once(words):
         config = vLLMEngineProcessorConfig(model_source="smollm2-135m-instruct", engine_kwargs=ENGINE, batch_size=4,
                                            keep_warm_s=600)
-        processor = build_processor(
+        processor = build_internal_processor(
             config, preprocess=lambda row: dict(prompt=f"A {row['w']} is a kind of",
                                                 sampling_params=dict(temperature=0, max_tokens=4)),
             keep_private=(STATS,))

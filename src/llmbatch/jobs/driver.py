@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from llmbatch.builders import build_processor
+from llmbatch.builders import build_internal_processor
 from llmbatch.cluster import ensure_ray
 from llmbatch.codec import decode_rows, encode_rows, rows_to_table
 from llmbatch.errors import EngineStartError, JobError, LLMBatchError, RowError
@@ -46,8 +46,8 @@ def build_job_processor(spec: JobSpec) -> Processor:
     post = load_function(spec.postprocess, spec.python_path) if spec.postprocess else None
     if is_openai_batch(spec):
         post = OpenAIBatchPostprocess()
-    return build_processor(spec.processor_config(), preprocess=job_preprocess(spec), postprocess=post,
-                           keep_private=(ROW_ID, STATS, ANSWER), encoded_output=True)
+    return build_internal_processor(spec.processor_config(), preprocess=job_preprocess(spec), postprocess=post,
+                                    keep_private=(ROW_ID, STATS, ANSWER), encoded_output=True)
 
 
 def answer_tag(spec: JobSpec) -> str:
