@@ -81,3 +81,17 @@ def test_the_reaper_never_ends_a_process_that_reused_a_pid():
     finally:
         child.kill()
         child.wait()
+
+
+def test_ending_a_process_tree_ends_its_descendants_and_leaves_no_zombie():
+    """``end_processes(with_descendants(pids))`` (how the SGLang engine closes its processes):
+    the process and its child end, and our own child is reaped, not left a zombie."""
+    from llmbatch.reaper import end_processes, with_descendants
+
+    parent = subprocess.Popen([sys.executable, "-c",
+        "import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
+        "print(p.pid, flush=True); time.sleep(600)"], stdout=subprocess.PIPE, text=True)
+    grandchild = int(parent.stdout.readline())
+    end_processes(with_descendants([parent.pid]), grace_s=10)
+    assert not alive(parent.pid) and not os.path.exists(f"/proc/{parent.pid}")
+    assert not alive(grandchild)

@@ -90,8 +90,25 @@ def _reap(watched: int, read_fd: int) -> None:
     end_processes(victims(known), grace_s=3)
 
 
+def with_descendants(pids: list[int]) -> list:
+    """The psutil processes of ``pids`` and their descendants (found now), children first;
+    pids already gone are left out."""
+    import psutil
+
+    procs = []
+    for pid in pids:
+        try:
+            proc = psutil.Process(pid)
+            procs.extend(proc.children(recursive=True))
+            procs.append(proc)
+        except psutil.Error:
+            continue
+    return procs
+
+
 def end_processes(procs: list, grace_s: float) -> None:
-    """SIGTERM each of ``procs`` (psutil processes), then SIGKILL those alive after ``grace_s``."""
+    """SIGTERM each of ``procs`` (psutil processes), then SIGKILL those alive after ``grace_s``
+    and wait up to ``grace_s`` more for them (our own children are reaped, not left zombies)."""
     import psutil
 
     for proc in procs:
@@ -105,6 +122,7 @@ def end_processes(procs: list, grace_s: float) -> None:
             proc.kill()
         except psutil.Error:
             pass
+    psutil.wait_procs(alive, timeout=grace_s)
 
 
 def processes_naming(text: str) -> list:

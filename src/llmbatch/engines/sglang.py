@@ -37,7 +37,7 @@ from llmbatch.engines.vllm_params import request_digest
 from llmbatch.engines.vllm_setup import one_line
 from llmbatch.errors import EngineStartError, MissingDependencyError, ResourceError, RowValidationError, suggestion
 from llmbatch.models import resolve_model
-from llmbatch.reaper import watch_children
+from llmbatch.reaper import end_processes, watch_children, with_descendants
 from llmbatch.rows import OPENAI, Row, to_python
 
 logger = logging.getLogger(__name__)
@@ -326,25 +326,4 @@ def _alive(pid: int, psutil: Any) -> bool:
 def _kill(pids: list[int], timeout: float = SHUTDOWN_TIMEOUT_S) -> None:
     """Terminate ``pids`` and their descendants (found now: a scheduler's compile workers), then
     kill what is left after ``timeout``."""
-    import psutil
-
-    procs = []
-    for pid in pids:
-        try:
-            proc = psutil.Process(pid)
-            procs.extend(proc.children(recursive=True))
-            procs.append(proc)
-        except psutil.Error:
-            continue
-    for proc in procs:
-        try:
-            proc.terminate()
-        except psutil.Error:
-            pass
-    _, alive = psutil.wait_procs(procs, timeout=timeout)
-    for proc in alive:
-        try:
-            proc.kill()
-        except psutil.Error:
-            pass
-    psutil.wait_procs(alive, timeout=timeout)
+    end_processes(with_descendants(pids), grace_s=timeout)
