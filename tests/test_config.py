@@ -180,3 +180,11 @@ def test_configuration_reference_is_current():
 
     committed = (Path(__file__).resolve().parents[1] / "docs" / "configuration.md").read_text()
     assert committed.strip() == config_reference().strip(), "regenerate docs/configuration.md with llmbatch.jobs.reference.config_reference()"
+
+
+def test_an_unknown_field_gets_the_one_did_you_mean_hint():
+    """Every did-you-mean hint is worded by ``errors.suggestion``: the config's too."""
+    with pytest.raises(ConfigError, match=r"unknown field 'batch_sise' \(did you mean 'batch_size'\?\)\."):
+        vLLMEngineProcessorConfig(model_source=MODEL, batch_sise=3)
+    with pytest.raises(ConfigError, match=r"unknown field 'zzzqqq'\. Known fields: accelerator_type, "):
+        vLLMEngineProcessorConfig(model_source=MODEL, zzzqqq=3)

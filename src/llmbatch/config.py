@@ -22,7 +22,7 @@ from pydantic import (
 )
 
 from llmbatch.engines.sglang_params import engine_kwargs as sglang_engine_kwargs
-from llmbatch.errors import ConfigError, did_you_mean
+from llmbatch.errors import ConfigError, suggestion
 from llmbatch.models import check_model_source
 from llmbatch.redact import redact
 from llmbatch.stages.warm import keep_warm_default
@@ -69,9 +69,8 @@ def _format_validation_error(cls_name: str, exc: ValidationError, known: list[st
         loc = ".".join(str(p) for p in err["loc"]) or "(config)"
         if err["type"] == "extra_forbidden":
             field = str(err["loc"][-1])
-            close = did_you_mean(field, known)
-            hint = f" Did you mean '{close}'?" if close else f" Known fields: {', '.join(known)}."
-            lines.append(f"unknown field '{loc}'.{hint}")
+            hint = suggestion(field, known) or f". Known fields: {', '.join(known)}"
+            lines.append(f"unknown field '{loc}'{hint}.")
         elif err["type"] == "missing":
             lines.append(f"field '{loc}' is required.")
         else:

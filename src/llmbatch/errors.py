@@ -17,11 +17,14 @@ def did_you_mean(name: str, known: Iterable[str], cutoff: float = 0.6) -> str | 
     return close[0] if close else None
 
 
-def suggestion(name: str, known: Iterable[str], cutoff: float = 0.6) -> str:
-    """The did-you-mean hint to append to an error message: `` (did you mean 'x'?)``, or ""
-    when no known name is close to ``name``."""
+def suggestion(name: str, known: Iterable[str], cutoff: float = 0.6, *, clause: bool = False) -> str:
+    """The did-you-mean hint to append to an error message, the one way llmbatch words it:
+    `` (did you mean 'x'?)``, or with ``clause`` (after a message that goes on)
+    ``; did you mean 'x'?``; "" when no known name is close to ``name``."""
     close = did_you_mean(name, known, cutoff)
-    return f" (did you mean '{close}'?)" if close else ""
+    if not close:
+        return ""
+    return f"; did you mean '{close}'?" if clause else f" (did you mean '{close}'?)"
 
 
 class LLMBatchError(Exception):

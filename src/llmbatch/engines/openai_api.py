@@ -21,7 +21,7 @@ import uuid
 from typing import Any
 
 from llmbatch.engines.vllm_params import check_types
-from llmbatch.errors import InvalidResponseError, RowValidationError, did_you_mean
+from llmbatch.errors import InvalidResponseError, RowValidationError, suggestion
 from llmbatch.rows import (
     DEFAULT_MAX_TOKENS,
     SAMPLING_PARAM_NAMES,
@@ -71,8 +71,7 @@ def structured_spec(raw: Any) -> dict[str, Any] | None:
     spec = {k: v for k, v in raw.items() if v not in (None, False) and k != "backend"}
     for key in spec:
         if key not in STRUCTURED_KEYS:
-            close = did_you_mean(key, STRUCTURED_KEYS)
-            raise RowValidationError(f"unknown structured_outputs key '{key}'" + (f" (did you mean '{close}'?)" if close else ""))
+            raise RowValidationError(f"unknown structured_outputs key '{key}'{suggestion(key, STRUCTURED_KEYS)}")
     if isinstance(spec.get("json"), str):
         try:
             spec["json"] = json.loads(spec["json"])
@@ -153,8 +152,7 @@ def request_body(row: dict[str, Any], model: str | None, fields: str = "auto") -
     spec = structured_spec(sp.pop("structured_outputs", None))
     for key in sp:
         if key not in SAMPLING_PARAM_NAMES:
-            close = did_you_mean(key, sorted(SAMPLING_PARAM_NAMES))
-            raise RowValidationError(f"unknown sampling param '{key}'" + (f" (did you mean '{close}'?)" if close else ""))
+            raise RowValidationError(f"unknown sampling param '{key}'{suggestion(key, sorted(SAMPLING_PARAM_NAMES))}")
     check_types(sp)
     if row.get("messages") is not None:
         kind, body = CHAT, {"messages": _wire_messages(row["messages"])}

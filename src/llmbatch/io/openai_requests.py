@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from llmbatch.errors import RowValidationError, did_you_mean
+from llmbatch.errors import RowValidationError, suggestion
 from llmbatch.rows import OPENAI, normalize_messages
 
 CHAT, COMPLETIONS, EMBEDDINGS = "/v1/chat/completions", "/v1/completions", "/v1/embeddings"
@@ -79,9 +79,7 @@ def _check_fields(endpoint: str, body: dict[str, Any]) -> None:
             what = NOT_SUPPORTED.get(key) or "this field"
             raise RequestError(f"unsupported parameter '{key}' ({what} is not supported by llmbatch)", key,
                                "unsupported_parameter")
-        close = did_you_mean(key, known)
-        hint = f"; did you mean '{close}'?" if close else ""
-        raise RequestError(f"unsupported parameter '{key}' for {endpoint}{hint}", key, "unsupported_parameter")
+        raise RequestError(f"unsupported parameter '{key}' for {endpoint}{suggestion(key, known, clause=True)}", key, "unsupported_parameter")
     if body.get("stream"):
         raise RequestError("'stream' must be false in a batch", "stream", "unsupported_parameter")
 

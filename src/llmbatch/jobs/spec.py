@@ -36,7 +36,7 @@ from llmbatch.config import (
     BaseConfig,
     vLLMEngineProcessorConfig,
 )
-from llmbatch.errors import ConfigError, did_you_mean
+from llmbatch.errors import ConfigError, suggestion
 from llmbatch.jobs.document import apply_overrides, check_required, expand_environment, fill_defaults, merge, resolve_paths
 from llmbatch.jobs.openai_batch import apply_defaults as apply_openai_defaults
 from llmbatch.jobs.openai_batch import check_spec as check_openai_batch
@@ -191,9 +191,7 @@ class JobSpec(BaseConfig):
     def _known_sampling_params(cls, value: dict[str, Any]) -> dict[str, Any]:
         for key in value:
             if key not in SAMPLING_PARAM_NAMES:
-                close = did_you_mean(key, sorted(SAMPLING_PARAM_NAMES))
-                hint = f"; did you mean '{close}'?" if close else ""
-                raise ValueError(f"unknown sampling param '{key}'{hint}")
+                raise ValueError(f"unknown sampling param '{key}'{suggestion(key, sorted(SAMPLING_PARAM_NAMES), clause=True)}")
         checks = {
             "temperature": lambda v: v >= 0,
             "max_tokens": lambda v: v >= 1,
