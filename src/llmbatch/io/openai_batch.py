@@ -25,7 +25,7 @@ from typing import Any
 from llmbatch.errors import ConfigError
 from llmbatch.io.openai_requests import COMPLETIONS, ENDPOINTS, LATER_ENDPOINTS, RequestError, prompts, translate
 from llmbatch.io.json_records import json_line
-from llmbatch.io.readers import DEFAULT_BATCH_ROWS, READ_ERROR, open_input
+from llmbatch.io.readers import DEFAULT_BATCH_ROWS, Record, batched, open_input
 
 FORMAT = "openai-batch"
 #: Problems listed in full in a failed batch's ``errors`` (and the CLI's message); the rest counted.
@@ -181,33 +181,31 @@ def validate_batch_file(path: str, options: Options, limit: int | None = None) -
 def read_openai_batch(path: str, options: Options, limit: int | None = None,
                       batch_rows: int = DEFAULT_BATCH_ROWS) -> Iterator[list[dict[str, Any]]]:
     """The rows of a batch file: ``custom_id``, ``line``, ``url``, ``body`` (JSON text),
-    ``model``, ``sub`` and ``subs``, and :data:`READ_ERROR` (``read: <code>: ...``)."""
-    rows: list[dict[str, Any]] = []
+    ``model``, ``sub`` and ``subs``, and :data:`~llmbatch.io.readers.READ_ERROR` (``read: <code>: ...``)."""
+    yield from batched(_records(path, options, limit), batch_rows)
+
+
+def _records(path: str, options: Options, limit: int | None) -> Iterator[Record]:
+    """Each line's rows (one per input item) with their read errors, up to ``limit`` lines."""
     lines = 0
     for lineno, request, items, problem in iter_requests(path, options):
         if limit is not None and lines >= limit:
             break
         lines += 1
         if problem is not None:
-            rows.append({"custom_id": problem.custom_id, "line": lineno, "url": None, "body": None, "model": None,
-                         "sub": 0, "subs": 1, READ_ERROR: f"read: {problem.code}: line {lineno}: {problem.message}"})
-        else:
-            body = request["body"]
-            key = "prompt" if request["url"] == COMPLETIONS else "input"
-            for sub, item in enumerate(items):
-                one = {**body, key: item} if len(items) > 1 else body
-                try:
-                    text, error = json.dumps(one, ensure_ascii=False), ""
-                except (ValueError, RecursionError) as exc:
-                    text, error = None, f"read: invalid_request: line {lineno}: the body cannot be written ({exc})"
-                rows.append({"custom_id": request["custom_id"], "line": lineno, "url": request["url"],
-                             "body": text, "model": body.get("model"),
-                             "sub": sub, "subs": len(items), READ_ERROR: error})
-        if len(rows) >= batch_rows:
-            yield rows
-            rows = []
-    if rows:
-        yield rows
+            yield ({"custom_id": problem.custom_id, "line": lineno, "url": None, "body": None, "model": None,
+                    "sub": 0, "subs": 1}, f"read: {problem.code}: line {lineno}: {problem.message}")
+            continue
+        body = request["body"]
+        key = "prompt" if request["url"] == COMPLETIONS else "input"
+        for sub, item in enumerate(items):
+            one = {**body, key: item} if len(items) > 1 else body
+            try:
+                text, error = json.dumps(one, ensure_ascii=False), ""
+            except (ValueError, RecursionError) as exc:
+                text, error = None, f"read: invalid_request: line {lineno}: the body cannot be written ({exc})"
+            yield ({"custom_id": request["custom_id"], "line": lineno, "url": request["url"], "body": text,
+                    "model": body.get("model"), "sub": sub, "subs": len(items)}, error)
 
 
 def peek(path: str) -> tuple[str | None, str | None]:

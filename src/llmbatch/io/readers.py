@@ -174,7 +174,7 @@ def typed_text_column(array: pa.Array, type_name: str) -> pa.Array:
 Record = tuple[dict[str, Any], str]  # a row and its read error ("" when it was read fine)
 
 
-def _batched(records: Iterator[Record], batch_rows: int) -> Iterator[list[dict[str, Any]]]:
+def batched(records: Iterator[Record], batch_rows: int) -> Iterator[list[dict[str, Any]]]:
     """Rows in lists of ``batch_rows``, each with its :data:`READ_ERROR`."""
     rows: list[dict[str, Any]] = []
     for row, err in records:
@@ -233,7 +233,7 @@ def read_csv(path: str, batch_rows: int = DEFAULT_BATCH_ROWS) -> Iterator[list[d
     in :data:`READ_ERROR`; the read goes on.
     """
     with open_input(path) as fh, _csv_field_limit(MAX_CELL_BYTES * 4):
-        yield from _batched(_csv_records(fh), batch_rows)
+        yield from batched(_csv_records(fh), batch_rows)
 
 
 # ---------------------------------------------------------------------------- JSON
@@ -242,13 +242,13 @@ def read_csv(path: str, batch_rows: int = DEFAULT_BATCH_ROWS) -> Iterator[list[d
 def read_jsonl(path: str, batch_rows: int = DEFAULT_BATCH_ROWS) -> Iterator[list[dict[str, Any]]]:
     """JSON Lines; a line that is not a JSON object becomes a flagged row."""
     with open_input(path) as fh:
-        yield from _batched(jsonl_records(fh), batch_rows)
+        yield from batched(jsonl_records(fh), batch_rows)
 
 
 def read_json(path: str, batch_rows: int = DEFAULT_BATCH_ROWS) -> Iterator[list[dict[str, Any]]]:
     """A JSON array of objects (or {"data": [...]}). Streams with ijson when it is installed."""
     with open_input(path) as fh:
-        yield from _batched(json_records(fh), batch_rows)
+        yield from batched(json_records(fh), batch_rows)
 
 
 # ---------------------------------------------------------------------------- Parquet, HF
