@@ -94,3 +94,21 @@ def test_undecodable_bytes_and_unknown_schemes_are_row_errors():
         load_image("ftp://example.com/a.png")
     with pytest.raises(RowValidationError, match="cannot read media file"):
         load_image("/nonexistent/a.png")
+
+
+def test_images_and_clips_share_one_media_key():
+    """``media_key`` identifies images and audio alike (its values are stable: a job's answer
+    records hold request digests that include them)."""
+    import numpy as np
+    from PIL import Image
+
+    from llmbatch.io.audio import audio_key
+    from llmbatch.io.media import image_key
+
+    img = Image.new("RGB", (4, 3), (1, 2, 3))
+    clip = (np.arange(10, dtype=np.float32), 16000)
+    assert image_key(b"abc", img) == audio_key(b"abc", clip) == bytes.fromhex("6c90e3902a69d1614408fd279ad6460d")
+    assert image_key({"url": "u", "bytes": None}, img) == audio_key({"url": "u"}, clip)
+    assert image_key(None, img) == image_key({"x": 1}, Image.new("RGB", (4, 3), (1, 2, 3)))
+    assert image_key(None, img) != image_key(None, Image.new("RGB", (4, 3), (1, 2, 4)))
+    assert audio_key({"array": clip[0], "path": "p"}, clip) == audio_key(None, clip) != audio_key("p", clip)

@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import base64
 import binascii
-import hashlib
 import io
 from typing import Any
 
 from llmbatch.errors import MissingDependencyError, RowValidationError
-from llmbatch.io.media import MediaPolicy, media_bytes
+from llmbatch.io.media import MediaPolicy, media_bytes, media_key
 
 #: What installs an audio decoder for vLLM's loaders.
 AUDIO_EXTRA = "pip install 'llmbatch[audio]' (or: pip install soundfile)"
@@ -155,18 +154,10 @@ def load_audio(value: Any, policy: MediaPolicy | None = None, *, openai_input: b
 
 
 def audio_key(source: Any, audio: tuple[Any, float]) -> bytes:
-    """What identifies a clip within a run: its encoded bytes, or the URL or path that named it,
-    or its samples and rate when it was given decoded."""
-    h = hashlib.blake2b(digest_size=16)
-    if isinstance(source, dict):  # given decoded ("array"): its samples, whatever path it names
-        keys = () if "array" in source else ("data", "bytes", "url", "path")
-        source = next((source[k] for k in keys if source.get(k) is not None), None)
-    if isinstance(source, (bytes, bytearray, memoryview)):
-        h.update(b"b" + bytes(source))
-    elif isinstance(source, str):
-        h.update(b"s" + source.encode("utf-8", "surrogatepass"))
-    else:
-        array, rate = audio
-        h.update(f"a{array.dtype}{array.shape}{rate}".encode())
-        h.update(_numpy().ascontiguousarray(array).tobytes())
-    return h.digest()
+    """What identifies a clip within a run (:func:`~llmbatch.io.media.media_key`): its encoded
+    bytes, or the URL or path that named it, or its samples and rate when it was given decoded
+    (a dict with an ``array``: its samples, whatever path it names)."""
+    array, rate = audio
+    keys = () if isinstance(source, dict) and "array" in source else ("data", "bytes", "url", "path")
+    return media_key(source, keys, lambda: (f"a{array.dtype}{array.shape}{rate}",
+                                            _numpy().ascontiguousarray(array).tobytes()))

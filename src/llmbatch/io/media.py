@@ -17,9 +17,11 @@ or local paths, decoded once, with bounded memory; folders of image files as job
 from __future__ import annotations
 
 import base64
+import hashlib
 import io
 import os
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -222,3 +224,28 @@ def read_image_folder(path: str, batch_rows: int = 8192):
     names.sort()
     for start in range(0, len(names), batch_rows):
         yield [{"path": os.path.join(root, n), "name": n} for n in names[start:start + batch_rows]]
+
+
+def media_key(source: Any, keys: tuple[str, ...], decoded: Callable[[], tuple[str, bytes]]) -> bytes:
+    """What identifies a media item within a run (images and audio alike): its encoded bytes, or
+    the URL or path that named it (cheaper than what it decodes to), or else ``decoded()``: a
+    header (kind, shape) and the decoded payload, for an item given decoded. A dict ``source``
+    is looked up by ``keys``, the first present."""
+    h = hashlib.blake2b(digest_size=16)
+    if isinstance(source, dict):
+        source = next((source[k] for k in keys if source.get(k) is not None), None)
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        h.update(b"b" + bytes(source))
+    elif isinstance(source, str):
+        h.update(b"s" + source.encode("utf-8", "surrogatepass"))
+    else:
+        header, payload = decoded()
+        h.update(header.encode())
+        h.update(payload)
+    return h.digest()
+
+
+def image_key(source: Any, image) -> bytes:
+    """What identifies an image within a run (:func:`media_key`): its encoded bytes, its URL or
+    path, or the pixels of an image given decoded."""
+    return media_key(source, ("bytes", "url", "path"), lambda: (f"p{image.mode}{image.size}", image.tobytes()))

@@ -32,7 +32,7 @@ from typing import Any
 from llmbatch.engines.vllm_chat import VllmChat
 from llmbatch.errors import RowValidationError
 from llmbatch.io.audio import audio_key, load_audio
-from llmbatch.io.media import MediaPolicy, load_image
+from llmbatch.io.media import MediaPolicy, image_key, load_image
 from llmbatch.rows import MEDIA_DIGEST, MM_PARSED, ROLES, Row, normalize_messages
 from llmbatch.stages.base import Stage
 
@@ -123,7 +123,7 @@ def prepare_messages(messages: Any, policy: MediaPolicy) -> tuple[list[dict[str,
                 except RowValidationError as exc:
                     raise RowValidationError(f"{where}: {exc}") from None
                 uuid = part.get("uuid")
-                digest.update(str(uuid).encode() if uuid is not None else _image_key(_url_of(value), image))
+                digest.update(str(uuid).encode() if uuid is not None else image_key(_url_of(value), image))
                 media += 1
                 parts.append({"type": "image_pil", "image_pil": image, **({"uuid": uuid} if uuid is not None else {})})
             elif kind in AUDIO_PART_TYPES:
@@ -145,22 +145,6 @@ def prepare_messages(messages: Any, policy: MediaPolicy) -> tuple[list[dict[str,
                 parts.append(part if isinstance(part, dict) else {"type": "text", "text": part})
         out.append({**msg, "content": parts})
     return out, (digest.hexdigest() if media else None)
-
-
-def _image_key(source: Any, image) -> bytes:
-    """What identifies an image within a run: its encoded bytes, or the URL or path that named
-    it (cheaper than its pixels), or the pixels of an image given decoded."""
-    h = hashlib.blake2b(digest_size=16)
-    if isinstance(source, dict):
-        source = next((source[k] for k in ("bytes", "url", "path") if source.get(k) is not None), None)
-    if isinstance(source, (bytes, bytearray, memoryview)):
-        h.update(b"b" + bytes(source))
-    elif isinstance(source, str):
-        h.update(b"s" + source.encode("utf-8", "surrogatepass"))
-    else:
-        h.update(f"p{image.mode}{image.size}".encode())
-        h.update(image.tobytes())
-    return h.digest()
 
 
 class PrepareMultimodalStage(Stage):
