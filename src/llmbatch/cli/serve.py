@@ -3,7 +3,6 @@ only when the command runs)."""
 
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -40,8 +39,8 @@ def serve(
     """An OpenAI-compatible Batch API (/v1/files, /v1/batches) on your own GPUs: each batch is a
     resumable, exactly-once job on the Ray cluster RAY_ADDRESS names."""
     try:
-        server = importlib.import_module("llmbatch.server.main")  # FastAPI & co. only for `serve`
-        settings_mod = importlib.import_module("llmbatch.server.settings")
+        # FastAPI & co. only for `serve` (tests/test_architecture.py LAZY_IMPORTS)
+        from llmbatch.server import main as server, settings as settings_mod
     except ImportError as exc:
         fail(MissingDependencyError(f"llmbatch serve ({exc.name} is missing)", "llmbatch[serve]"))
     try:
