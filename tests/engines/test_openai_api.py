@@ -97,3 +97,18 @@ def test_serving_side_round_trip():
     assert answer_columns(CHAT, answer)["generated_text"] == "a"
     assert answer["usage"]["total_tokens"] == 4
     assert row_from_request(COMPLETIONS, {"prompt": ["p"]})["prompt"] == "p"
+
+
+@pytest.mark.parametrize("spec", [{"json": "[1, 2]"}, {"json": "{not json"}, {"json": {"type": "nope"}},
+                                  {"regex": "("}, {"choice": []}, {"choice": ["a", 1]}])
+def test_an_endpoint_checks_structured_outputs_as_the_engines_do(spec):
+    """One check of a structured-output spec for every engine (it had drifted: a JSON schema
+    that is not an object got a different message on the HTTP path)."""
+    from llmbatch.engines.openai_api import structured_spec
+    from llmbatch.engines.vllm_params import validate_structured
+
+    with pytest.raises(RowValidationError) as engine:
+        validate_structured(spec)
+    with pytest.raises(RowValidationError) as endpoint:
+        structured_spec(spec)
+    assert str(endpoint.value) == str(engine.value)

@@ -15,12 +15,11 @@ import base64
 import io
 import json
 import math
-import re
 import time
 import uuid
 from typing import Any
 
-from llmbatch.engines.vllm_params import check_types
+from llmbatch.engines.vllm_params import check_types, validate_structured
 from llmbatch.errors import InvalidResponseError, RowValidationError, suggestion
 from llmbatch.rows import (
     DEFAULT_MAX_TOKENS,
@@ -63,7 +62,8 @@ def endpoint_url(url: str, kind: str) -> str:
 
 
 def structured_spec(raw: Any) -> dict[str, Any] | None:
-    """A row's ``structured_outputs`` checked (keys, JSON schema, regex, choices)."""
+    """A row's ``structured_outputs`` checked: its keys here, then its JSON schema, regex and
+    choices as every engine checks them (:func:`~llmbatch.engines.vllm_params.validate_structured`)."""
     if raw is None:
         return None
     if not isinstance(raw, dict):
@@ -72,26 +72,7 @@ def structured_spec(raw: Any) -> dict[str, Any] | None:
     for key in spec:
         if key not in STRUCTURED_KEYS:
             raise RowValidationError(f"unknown structured_outputs key '{key}'{suggestion(key, STRUCTURED_KEYS)}")
-    if isinstance(spec.get("json"), str):
-        try:
-            spec["json"] = json.loads(spec["json"])
-        except ValueError as exc:
-            raise RowValidationError(f"structured_outputs.json is not valid JSON: {exc}") from exc
-    if "json" in spec:
-        import jsonschema
-
-        try:
-            jsonschema.validators.validator_for(spec["json"]).check_schema(spec["json"])
-        except (jsonschema.SchemaError, TypeError, AttributeError) as exc:
-            raise RowValidationError(f"structured_outputs.json is not a valid JSON schema: {exc}") from exc
-    if "regex" in spec:
-        try:
-            re.compile(spec["regex"])
-        except (re.error, TypeError) as exc:
-            raise RowValidationError(f"structured_outputs.regex is not a valid regular expression: {exc}") from exc
-    choice = spec.get("choice")
-    if choice is not None and (not isinstance(choice, list) or not choice or not all(isinstance(c, str) for c in choice)):
-        raise RowValidationError("structured_outputs.choice must be a non-empty list of strings")
+    spec = validate_structured(spec)
     return spec or None
 
 

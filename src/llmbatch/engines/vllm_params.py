@@ -75,6 +75,8 @@ def validate_structured(spec: dict[str, Any]) -> dict[str, Any]:
             jsonschema.validators.validator_for(schema).check_schema(schema)
         except jsonschema.SchemaError as exc:
             raise RowValidationError(f"structured_outputs.json is not a valid JSON schema: {exc.message}") from exc
+        except (TypeError, AttributeError) as exc:  # a schema the validator cannot walk
+            raise RowValidationError(f"structured_outputs.json is not a valid JSON schema: {exc}") from exc
         spec["json"] = schema
     if "regex" in spec:
         try:
