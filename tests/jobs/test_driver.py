@@ -73,3 +73,19 @@ def test_answer_records_are_tagged_with_the_model_settings_not_placement(tmp_pat
     # another dtype or model: the job's recorded answers are not copied, they are recomputed
     assert answer_tag(load_job(tmp_path / "job.yaml", overrides=["model.engine_kwargs.dtype=float32"])) != tag
     assert answer_tag(load_job(tmp_path / "job.yaml", overrides=["model.source=all-minilm-l6-v2"])) != tag
+
+
+def test_answered_rows_are_committed_on_time_while_no_new_batch_arrives(tmp_path):
+    job = job_with(tmp_path, 10)
+    done = np.zeros(10, dtype=bool)
+    progress = Progress(10, tty=False, quiet=True)
+    c = Committer(job, done, progress, commit_rows=1000, commit_seconds=0.2)
+    with c.timer():
+        c.add(answered([0, 1, 2]))  # then the stream waits on a long last batch
+        deadline = time.monotonic() + 30
+        while not job.part_files() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert len(job.part_files()) == 1, "answered rows waited for the next batch to be committed"
+        c.add(answered([3]))
+    c.flush()
+    assert len(job.part_files()) == 2

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -89,11 +90,16 @@ class Committer:
         self.duplicates = 0
         # columns of free-form JSON (an endpoint's whole answer) are kept as JSON text
         self.json_columns: set[str] = {"messages", "http_response", "completions"}
+        self._lock = threading.Lock()  # the stream's thread adds, the timer's commits
 
     def add(self, encoded: pa.Table) -> None:
         if encoded.num_rows == 0:
             return
         table = rows_to_table(decode_rows(encoded), self.json_columns)
+        with self._lock:
+            self._add(table)
+
+    def _add(self, table: pa.Table) -> None:
         self.progress.arrived()
         ids = table.column(ROW_ID).to_numpy()
         fresh = ~self.done[ids]
@@ -110,9 +116,43 @@ class Committer:
         self.buffer.append(table)
         self.buffered += table.num_rows
         if self.buffered >= self.commit_rows or time.monotonic() - self.last_commit >= self.commit_seconds:
-            self.flush()
+            self._flush()
 
     def flush(self) -> None:
+        with self._lock:
+            self._flush()
+
+    def flush_due(self) -> None:
+        """Commit what waits once ``commit_seconds`` have passed, also when no batch arrives:
+        rows answered before a long last batch must not wait for it uncommitted."""
+        with self._lock:
+            if self.buffer and time.monotonic() - self.last_commit >= self.commit_seconds:
+                self._flush()
+
+    @contextlib.contextmanager
+    def timer(self) -> Iterator[None]:
+        """While the stream runs: :meth:`flush_due` on a thread, every half ``commit_seconds``
+        (at most every second)."""
+        stop = threading.Event()
+
+        def loop() -> None:
+            while not stop.wait(max(0.05, min(self.commit_seconds / 2, 1.0))):
+                try:
+                    self.flush_due()
+                except Exception as exc:  # noqa: BLE001 - the stream's own commit raises it again
+                    logger.warning("a timed commit failed (%s: %s); commits wait for the next answers",
+                                   type(exc).__name__, exc)
+                    return
+
+        thread = threading.Thread(target=loop, name="llmbatch-commit", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join(timeout=60)
+
+    def _flush(self) -> None:
         if not self.buffer:
             return
         try:
@@ -172,8 +212,9 @@ def _run_pass(job: JobDir, spec: JobSpec, meta: JobMeta, todo: np.ndarray, done:
     progress.watch_replicas(processor.run_id)  # the start-up phase, from the replicas' heartbeats
     committer = Committer(job, done, progress, spec.commit_rows, spec.commit_seconds)
     try:
-        for table in out.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=1):
-            committer.add(table)
+        with committer.timer():
+            for table in out.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=1):
+                committer.add(table)
     finally:
         committer.flush()
         if committer.duplicates:
