@@ -7,6 +7,7 @@ from __future__ import annotations
 import array
 import collections
 import copy
+import functools
 import hashlib
 import json
 import logging
@@ -133,17 +134,15 @@ def row_sampling_params(raw: Any) -> tuple[dict[str, Any], Any]:
 #: building and validating one took about as long as the rest of a row's CPU work
 _PARAMS_MEMO: collections.OrderedDict[tuple, tuple[Any, dict[str, Any]]] = collections.OrderedDict()
 _PARAMS_MEMO_SIZE = 1024
-_VLLM: dict[str, Any] = {}
 
 
+@functools.cache
 def _vllm_params_types() -> tuple[Any, Any]:
     """vLLM's SamplingParams and RequestOutputKind, imported once (``from vllm import ...`` in
     a function goes through vLLM's lazy module attribute and the import system on every call)."""
-    if not _VLLM:
-        from vllm.sampling_params import RequestOutputKind, SamplingParams
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
 
-        _VLLM.update(SamplingParams=SamplingParams, RequestOutputKind=RequestOutputKind)
-    return _VLLM["SamplingParams"], _VLLM["RequestOutputKind"]
+    return SamplingParams, RequestOutputKind
 
 
 def sampling_params(raw: Any, max_model_len: int | None = None, detokenize_after: bool = False):

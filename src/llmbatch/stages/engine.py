@@ -252,7 +252,7 @@ class EngineStage(Stage):
             else:
                 if self.structured_output_errors == "warn":
                     result["structured_output_error"] = ""
-        if self.answer_tag and not copied and request.key is not None and isinstance(request.key, bytes):
+        if self.answer_tag and not copied and isinstance(request.key, bytes):  # a digest (Serve's keys are text)
             row[ANSWER] = answer_record(self.answer_tag, request.key, answer)
         cached = result.pop("num_cached_tokens", None)
         row.update(result)
