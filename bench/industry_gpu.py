@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import os
 import subprocess
 import sys
 import threading
@@ -27,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from row_marginal import CHOICES, SYSTEM, USER, in_flight_timeline  # noqa: E402
+from row_marginal import CHOICES, SYSTEM, USER, in_flight_timeline
 
 PINNED = {"max_model_len": 2048, "max_num_seqs": 1024, "max_num_batched_tokens": 16384,
           "gpu_memory_utilization": 0.85, "enable_prefix_caching": True, "load_format": "dummy"}
