@@ -15,7 +15,7 @@ LAYERS = [
     ["io", "models", "toy_models", "engines", "progress", "reaper", "sample_data", "sample_images", "sample_audio",
      "install_check", "cluster", "watchdog", "terminal", "report", "model_names"],
     ["config", "resume", "validation", "stages"],
-    ["processor", "builders", "deployments"],
+    ["placement", "processor", "builders", "deployments"],
     ["jobs", "demo"],
     ["cli", "server", "__init__", "__main__"],
 ]

@@ -15,7 +15,8 @@ def test_default_stages_run_inside_the_engine_replicas():
     ops = p.operators({"CPU": 2.0})
     assert names(ops) == ["preprocess+chat_template+tokenize+engine+detokenize+postprocess"]
     assert ops[0].remote_args["num_cpus"] == 0.0  # a 2-CPU machine keeps its CPUs for the input plan
-    assert ops[0].max_concurrent_calls == 64 and ops[0].min_workers == ops[0].max_workers == 1
+    # 64 batches side by side per replica: 2 calls of blocks of 32 batches (MIN_BLOCK_ROWS)
+    assert ops[0].max_concurrent_calls * ops[0].block_batches == 64 and ops[0].min_workers == ops[0].max_workers == 1
 
 
 def test_stage_with_own_settings_gets_its_own_workers():
@@ -80,3 +81,38 @@ def test_the_output_stage_runs_last_in_the_last_operator_and_nothing_else_carrie
     flags = {"keep_private", "encoded_output", "sink"}
     assert not flags & {f.name for f in dataclasses.fields(Layout)}
     assert not flags & set(inspect.signature(StageRunner).parameters)
+
+
+def test_one_replica_takes_blocks_of_several_batches_and_works_on_as_many_batches():
+    # a Ray Data block costs a task and its bookkeeping: one replica gets blocks of
+    # MIN_BLOCK_ROWS rows that it runs as batches of batch_size side by side
+    p = build_processor(vLLMEngineProcessorConfig(model_source=MODEL, batch_size=256), preprocess=lambda r: r)
+    (op,) = p.operators({"CPU": 2.0})
+    assert (op.batch_size, op.block_batches, op.block_rows) == (256, 4, 1024)
+    assert op.max_concurrent_calls * op.block_batches == p.layout.max_concurrent_batches  # batches in flight as configured
+    # a user's own max_concurrent_batches bounds a block too
+    p = build_processor(vLLMEngineProcessorConfig(model_source=MODEL, batch_size=4, max_concurrent_batches=2))
+    (op,) = p.operators({"CPU": 2.0})
+    assert (op.block_batches, op.max_concurrent_calls) == (2, 1)
+    # blocks of one batch where they spread over several replicas (a small input reaches each)
+    p = build_processor(vLLMEngineProcessorConfig(model_source=MODEL, batch_size=4, concurrency=2))
+    (op,) = p.operators({"CPU": 8.0})
+    assert (op.block_batches, op.max_concurrent_calls) == (1, p.layout.max_concurrent_batches)
+
+
+def test_a_gpu_node_with_cpus_to_spare_prepares_rows_in_a_pool_of_their_own():
+    p = build_processor(vLLMEngineProcessorConfig(model_source=MODEL, batch_size=256), preprocess=lambda r: r)
+    ops = p.operators({"CPU": 16.0, "GPU": 1.0})
+    assert names(ops) == ["prepare:preprocess+chat_template+tokenize", "engine+detokenize"]
+    prepare, engine = ops
+    # 16 CPUs: one for the replica, CPU_HEADROOM for the input plan, the rest prepare rows
+    assert (prepare.min_workers, prepare.max_workers, prepare.remote_args["num_cpus"]) == (1, 13, 1.0)
+    assert prepare.block_rows == engine.block_rows == 1024  # no re-blocking between them
+    # the dedup key stays the engine stage's: every row still reaches the engine operator
+    assert [s.name for s in engine.stages] == ["engine", "detokenize", "output"]
+    # a CPU machine, or a GPU node without CPUs to spare: the replicas keep them
+    for cluster in ({"CPU": 2.0}, {"CPU": 64.0}, {"CPU": 4.0, "GPU": 1.0}):
+        assert names(p.operators(cluster)) == ["preprocess+chat_template+tokenize+engine+detokenize"], cluster
+    # one replica per GPU: fewer CPUs to spare
+    p = build_processor(vLLMEngineProcessorConfig(model_source=MODEL, concurrency=8), preprocess=lambda r: r)
+    assert p.operators({"CPU": 16.0, "GPU": 8.0})[0].max_workers == 6

@@ -24,6 +24,13 @@ from llmbatch.config import (
     StageConfig,
 )
 from llmbatch.errors import ConfigError, ResourceError
+from llmbatch.placement import (
+    DEFAULT_STAGE_NUM_CPUS,
+    SPREAD_WORKER_CPUS,
+    block_batches,
+    engine_cpu_share,
+    spread_workers,
+)
 from llmbatch.rows import PRIVATE_PREFIX, ROW_ID
 from llmbatch.stages.base import Stage
 from llmbatch.stages.output import OutputStage
@@ -35,15 +42,6 @@ logger = logging.getLogger(__name__)
 
 UserFn = Callable[[dict[str, Any]], dict[str, Any]]
 
-#: CPUs a CPU-stage worker reserves unless its stage config says otherwise: none. Stage
-#: workers are light; a reservation would only take the whole CPU that a read, shuffle or
-#: write task of the input plan needs (a 1-CPU cluster cannot run a 1-CPU task beside a
-#: 0.1-CPU actor).
-DEFAULT_STAGE_NUM_CPUS = 0.0
-#: Whole CPUs kept free beside the engine replicas on a cluster without GPUs: one for a task of
-#: the input plan that may hold its CPU while it waits (a read that a ``limit`` no longer
-#: consumes), one for the task that must run next (a shuffle, a write).
-CPU_HEADROOM = 2.0
 
 
 @dataclass
@@ -104,6 +102,13 @@ class Operator:
     remote_args: dict[str, Any] = field(default_factory=dict)
     max_tasks_in_flight: int | None = None
     max_concurrent_calls: int = 1
+    #: engine batches per Ray Data block (:data:`MIN_BLOCK_ROWS`)
+    block_batches: int = 1
+
+    @property
+    def block_rows(self) -> int:
+        return self.batch_size * self.block_batches
+
 
 
 class Processor:
@@ -157,7 +162,8 @@ class Processor:
             remote.update({k: v for k, v in extra.items() if k in ("num_cpus", "memory", "runtime_env", "resources")})
             batch_size = (cfg.batch_size if cfg and cfg.batch_size else None) or self.layout.batch_size
             name = "+".join(s.stage.name for s in group)
-            ops.append(Operator(f"{label}:{name}", [s.stage for s in group], batch_size, workers[0], workers[1], remote))
+            ops.append(Operator(f"{label}:{name}", [s.stage for s in group], batch_size, workers[0], workers[1], remote,
+                                block_batches=block_batches(batch_size, workers[1])))
         return ops
 
     def _engine_operator(self, cluster: dict[str, float], cpu_reserved: float) -> Operator:
@@ -178,8 +184,11 @@ class Processor:
             remote["ray_remote_args_fn"] = lay.engine_remote_args_fn
             remote.pop("num_gpus", None)
         remote.update(lay.engine_resources or {})
-        in_flight = lay.max_tasks_in_flight or 2 * lay.max_concurrent_batches
-        return Operator("engine", [lay.engine], lay.batch_size, lo, hi, remote, in_flight, lay.max_concurrent_batches)
+        # a block's batches count among the max_concurrent_batches a replica works on
+        per_block = min(block_batches(lay.batch_size, hi), lay.max_concurrent_batches)
+        calls = max(1, lay.max_concurrent_batches // per_block)
+        in_flight = lay.max_tasks_in_flight or 2 * calls
+        return Operator("engine", [lay.engine], lay.batch_size, lo, hi, remote, in_flight, calls, per_block)
 
     def operators(self, cluster: dict[str, float] | None = None) -> list[Operator]:
         """The Ray Data operators this processor runs, in order.
@@ -202,6 +211,17 @@ class Processor:
         post_ops = self._cpu_operators(post, "finish") if post else []
         reserved = sum(op.max_workers * op.remote_args.get("num_cpus", 1.0) for op in pre_ops + post_ops)
         engine = self._engine_operator(cluster, reserved)
+        spread = spread_workers(cluster, self.layout.concurrency[1], self.layout.devices_per_replica, reserved) \
+            if into_engine_pre else 0
+        if spread:
+            # the node's free CPUs take the rows' work before the engine (a pool of workers,
+            # one CPU each), so the replica's one CPU thread is left the engine's share of
+            # it; the dedup key is the engine stage's, which still sees every row
+            stages = [s.stage for s in into_engine_pre]
+            batches = min(block_batches(self.layout.batch_size, 1), self.layout.max_concurrent_batches)
+            pre_ops.append(Operator("prepare:" + "+".join(s.name for s in stages), stages, self.layout.batch_size,
+                                    1, spread, {"num_cpus": SPREAD_WORKER_CPUS}, block_batches=batches))
+            into_engine_pre = []
         engine.stages = [s.stage for s in into_engine_pre] + engine.stages + [s.stage for s in into_engine_post]
         engine.name = "+".join(s.name for s in engine.stages)
         ops = pre_ops + [engine] + post_ops
@@ -254,13 +274,14 @@ class Processor:
             ds = ds.map_batches(_same_table, batch_format="pyarrow", batch_size=None, zero_copy_batch=True)
         rows_per_block = None
         for i, op in enumerate(ops):
-            if op.batch_size != rows_per_block:
-                # One batch per block: each block is one task, so a replica works on up to
+            if op.block_rows != rows_per_block:
+                # Blocks of whole batches (one, or several where one worker takes them all:
+                # MIN_BLOCK_ROWS): each block is one task, so a replica works on up to
                 # max_concurrent_batches batches side by side from the first rows on, and a
                 # batch's answers travel on as soon as that batch is done, whatever block
                 # sizes the input plan produced (one block of everything, or many tiny ones).
-                ds = ds.repartition(target_num_rows_per_block=op.batch_size)
-                rows_per_block = op.batch_size
+                ds = ds.repartition(target_num_rows_per_block=op.block_rows)
+                rows_per_block = op.block_rows
             ds = ds.map_batches(StageRunner, **self._map_kwargs(op, run_id))
         return ds
 
@@ -276,8 +297,9 @@ class Processor:
             pool.update(max_concurrent_calls_per_actor=op.max_concurrent_calls, enable_true_multi_threading=True)
         kwargs = dict(
             fn_constructor_kwargs=dict(stages=op.stages, continue_on_error=lay.continue_on_error, run_id=run_id,
-                                       role=op.name, peers=op.min_workers, peer_wait_s=lay.stall_timeout_s or 600.0),
-            batch_size=op.batch_size,
+                                       role=op.name, peers=op.min_workers, peer_wait_s=lay.stall_timeout_s or 600.0,
+                                       batch_rows=op.batch_size if op.block_batches > 1 else 0),
+            batch_size=op.block_rows,
             batch_format="pyarrow",
             zero_copy_batch=True,
             compute=ray.data.ActorPoolStrategy(max_tasks_in_flight_per_actor=op.max_tasks_in_flight, **pool),
@@ -286,20 +308,6 @@ class Processor:
         if remote_fn is not None:
             kwargs["ray_remote_args_fn"] = remote_fn
         return kwargs
-
-
-def engine_cpu_share(cluster_cpus: float, replicas: int, cpu_reserved: float) -> float:
-    """CPUs each engine replica reserves on a cluster without GPUs.
-
-    One each when the cluster has room for the replicas, what the CPU stages reserve and
-    :data:`CPU_HEADROOM` whole CPUs beside them; otherwise none. The reservation is Ray's
-    bookkeeping only (vLLM on CPU uses the cores the OS gives it either way), and on a small
-    cluster any reservation would leave a 1-CPU task of the input plan (a read, a shuffle, a
-    write, a checkpoint filter) waiting forever.
-    """
-    if cluster_cpus - cpu_reserved >= replicas + CPU_HEADROOM:
-        return 1.0
-    return 0.0
 
 
 def _joins_datasets(ds) -> bool:

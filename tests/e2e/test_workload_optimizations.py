@@ -134,3 +134,41 @@ def test_a_retried_row_copies_the_answer_its_job_already_committed(ray_cluster, 
     answers = {r["id"]: r["generated_text"] for r in before + retried if not r["__inference_error__"]}
     assert all(answers[i] == answers[i % 5] for i in range(30))
     assert "5 answers from committed rows" in (job_dir / "log.txt").read_text()
+
+
+def test_rows_prepared_in_a_pool_of_their_own_keep_dedup_and_answers(ray_cluster, smollm2, tmp_path, monkeypatch):
+    """Where a GPU node has CPUs to spare, the stages before the engine run in a pool of their
+    own (processor.spread_workers). Forced here on this CPU (one worker reserving no CPU, so the
+    input plan keeps the small machine's cores): the answers are the fused layout's, and the
+    engine still gets each distinct request once (the dedup key is the engine stage's)."""
+    import llmbatch.processor as processor
+
+    rng = random.Random(5)
+    base = [f"Name a color that rhymes with {w}." for w in ["bed", "blue", "yellow", "pink", "red", "green"]]
+    rows = [{"id": i, "question": rng.choice(base)} for i in range(48)]
+    with open(tmp_path / "in.jsonl", "w") as fh:
+        for r in rows:
+            fh.write(json.dumps(r) + "\n")
+    fused = run_job(tmp_path, "fused", dedup=True, sort=True)
+    asked = []
+
+    def spread(cluster, replicas, devices_per_replica, reserved):
+        asked.append(replicas)
+        return 1
+
+    monkeypatch.setattr(processor, "spread_workers", spread)
+    monkeypatch.setattr(processor, "SPREAD_WORKER_CPUS", 0.0)
+    apart = run_job(tmp_path, "apart", dedup=True, sort=True)
+    assert asked, "the job's processor did not lay its stages out"
+    from llmbatch import vLLMEngineProcessorConfig, build_processor
+
+    ops = build_processor(vLLMEngineProcessorConfig(model_source="smollm2-135m-instruct"),
+                          preprocess=lambda r: r).operators({"CPU": 2.0})
+    assert [op.name for op in ops] == ["prepare:preprocess+chat_template+tokenize", "engine+detokenize"]
+    assert ops[0].remote_args["num_cpus"] == 0.0
+    assert sorted(apart["answers"]) == list(range(48))
+    assert apart["answers"] == fused["answers"]
+    distinct = len({r["question"] for r in rows})
+    for run in (fused, apart):
+        assert run["stats"]["rows_error"] == 0
+        assert 48 - run["stats"]["deduplicated_rows"] == distinct  # one request per distinct prompt

@@ -103,6 +103,26 @@ def test_identical_requests_run_once_and_fan_out():
     assert sum(r[STATS]["deduped"] for r in out) == 4
 
 
+def test_rows_whose_request_was_answered_before_leave_first_without_reaching_the_engine():
+    engine = FakeEngine()
+    stage = EngineStage(engine)
+    first = [{"prompt": "same"}, {"prompt": "other"}]
+    later = [{"prompt": "new", "delay": 0.2}] + [{"prompt": p} for p in ("same", "other", "same")]
+
+    async def go():
+        await stage.start()
+        async for _ in stage(first):
+            pass
+        return [chunk async for chunk in stage(later)]
+
+    chunks = asyncio.run(go())
+    assert engine.calls == ["other", "same", "new"]  # sorted by prompt in the first batch
+    # the copies come out at once, in one chunk, before the batch's new request is answered
+    assert [r["prompt"] for r in chunks[0]] == ["same", "other", "same"]
+    assert all(r[STATS]["deduped"] and r["generated_text"] == r["prompt"].upper() for r in chunks[0])
+    assert [r["prompt"] for r in chunks[1]] == ["new"] and not chunks[1][0][STATS]["deduped"]
+
+
 def test_random_sampling_is_not_deduplicated():
     engine = FakeEngine()
     rows = [{"prompt": "same", "greedy": False} for _ in range(3)]

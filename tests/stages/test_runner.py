@@ -205,3 +205,41 @@ def test_a_process_with_the_cpu_thread_hands_the_gil_to_the_loop_within_a_fracti
         assert sys.getswitchinterval() == pytest.approx(want, rel=1e-3)
     finally:
         sys.setswitchinterval(before)
+
+
+class Batches(Stage):
+    """Notes the size of every call; fails a row whose q is 'bad' (its own error)."""
+    name = "engine"
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def process_batch(self, rows):
+        self.calls.append(len(rows))
+        for row in rows:
+            row["generated_text"] = str(row["q"]).upper()
+
+
+def test_a_block_of_several_batches_reaches_each_stage_a_batch_at_a_time():
+    stage = Batches()
+    runner = StageRunner([stage], continue_on_error=True, batch_rows=4)
+    tables = run(runner, pa.table({"q": [f"q{i}" for i in range(10)], ROW_ID: list(range(10))}))
+    rows = [r for t in tables for r in decode_rows(t)]
+    assert sorted(stage.calls) == [2, 4, 4]  # batches of batch_rows, the last one short
+    assert sorted(r[ROW_ID] for r in rows) == list(range(10))  # every row once
+    assert all(r["generated_text"] == r["q"].upper() for r in rows)
+
+
+def test_a_failing_batch_of_a_block_fails_the_call():
+    class Boom(Stage):
+        name = "engine"
+
+        async def __call__(self, rows):
+            if rows[0]["q"] == "q4":
+                raise RuntimeError("engine gone")
+            yield rows
+
+    runner = StageRunner([Boom()], continue_on_error=True, batch_rows=4)
+    with pytest.raises(RuntimeError, match="engine gone"):
+        run(runner, pa.table({"q": [f"q{i}" for i in range(10)]}))

@@ -203,3 +203,13 @@ class Stage:
         todo = [r for r in rows if not is_error(r) and self.check_keys(r)]
         if todo:
             self.process_batch(todo)
+
+
+def process_start() -> float:
+    """This process's start time (epoch seconds), 0.0 where the OS does not say."""
+    try:
+        import psutil
+
+        return psutil.Process().create_time()
+    except Exception:  # noqa: BLE001 - a timing, never a reason to fail
+        return 0.0

@@ -32,7 +32,7 @@ from llmbatch.engines.base import Engine, Request
 from llmbatch.errors import EngineDiedError, EngineStartError, StructuredOutputError
 from llmbatch.rows import ANSWER, ERROR_COLUMN, STATS, Row, is_error
 from llmbatch.stages.answers import answer_record, load_known
-from llmbatch.stages.base import Stage
+from llmbatch.stages.base import Stage, process_start
 from llmbatch.stages.check_output import check_structured
 from llmbatch.stages.turns import Turns
 
@@ -197,16 +197,23 @@ class EngineStage(Stage):
                     ) from exc
                 await self._restart(generation, exc)
 
+    def _copy(self, request: Request) -> dict[str, Any] | None:
+        """The answer of an identical request answered before (this job's or this replica's)."""
+        key = request.key if self.dedup_requests else None
+        if key in self._known:
+            return self._known[key]
+        if key in self._results:
+            self._results.move_to_end(key)
+            return self._results[key][0]
+        return None
+
     async def _answer(self, request: Request) -> tuple[dict[str, Any], bool]:
         """The output for a request and whether it was copied from an identical one."""
         key = request.key if self.dedup_requests else None
         if key is None:
             return await self._run(request), False
-        if key in self._known:
-            return self._known[key], True
-        if key in self._results:
-            self._results.move_to_end(key)
-            return self._results[key][0], True
+        if (known := self._copy(request)) is not None:
+            return known, True
         if key in self._inflight:
             return await asyncio.shield(self._inflight[key]), True
         future = asyncio.get_running_loop().create_future()
@@ -239,6 +246,10 @@ class EngineStage(Stage):
             result, copied = await self._answer(request)
         except Exception as exc:  # noqa: BLE001
             return self.fail(row, exc)
+        return self._finish(row, request, result, copied, batch_uuid)
+
+    def _finish(self, row: Row, request: Request, result: dict[str, Any], copied: bool, batch_uuid: str) -> Row:
+        """The row with its answer (``copied`` from an identical request)."""
         answer, result = result, dict(result)
         spec = request.extra.get("structured")
         if spec and self.structured_output_errors != "off":
@@ -280,6 +291,11 @@ class EngineStage(Stage):
                 work.append((row, self.engine.build_request(row)))
             except Exception as exc:  # noqa: BLE001 - invalid request: this row's error, before the engine
                 ready.append(self.fail(row, exc, stage="validate"))
+        # rows whose identical request was answered before take its answer now, without a task
+        # each: most rows of a job that repeats itself (issue 29)
+        copies = [(row, request, self._copy(request)) for row, request in work]
+        ready += [self._finish(row, request, known, True, batch_uuid) for row, request, known in copies if known is not None]
+        work = [(row, request) for row, request, known in copies if known is None]
         if ready:
             yield ready
         if self.sort_by_prefix:
@@ -325,13 +341,3 @@ def _sortable(key: Any) -> tuple:
     if isinstance(key, tuple):
         return (0, key, "")
     return (1, (), key or "")
-
-
-def process_start() -> float:
-    """This process's start time (epoch seconds), 0.0 where the OS does not say."""
-    try:
-        import psutil
-
-        return psutil.Process().create_time()
-    except Exception:  # noqa: BLE001 - a timing, never a reason to fail
-        return 0.0

@@ -69,17 +69,71 @@ async def run_stages(stages: list[Stage], rows: list[Row], index: int = 0) -> As
             yield out
 
 
+class _Ended:
+    """A batch of :func:`run_batches` is through (``exc``: what stopped it)."""
+
+    def __init__(self, exc: BaseException | None):
+        self.exc = exc
+
+
+async def run_batches(stages: list[Stage], rows: list[Row], batch_rows: int = 0) -> AsyncIterator[list[Row]]:
+    """Run ``rows`` through ``stages`` in batches of ``batch_rows`` side by side (0: one batch);
+    yields rows as the batches let go of them, the chunks ready at the same moment as one.
+
+    A Ray Data block may hold several engine batches (:class:`StageRunner`): each batch still
+    reaches every stage as one call of ``batch_rows`` rows, as if it had come alone, while Ray
+    Data's work per block (a task, its objects, its bookkeeping) is paid once per block."""
+    if batch_rows <= 0 or len(rows) <= batch_rows:
+        async for chunk in run_stages(stages, rows):
+            yield chunk
+        return
+    ready: asyncio.Queue = asyncio.Queue()
+
+    async def drive(part: list[Row]) -> None:
+        try:
+            async for chunk in run_stages(stages, part):
+                ready.put_nowait(chunk)
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which raises it
+            ready.put_nowait(_Ended(exc))
+            return
+        ready.put_nowait(_Ended(None))
+
+    tasks = [asyncio.ensure_future(drive(rows[i:i + batch_rows])) for i in range(0, len(rows), batch_rows)]
+    running = len(tasks)
+    try:
+        while running:
+            items = [await ready.get()]
+            while not ready.empty():
+                items.append(ready.get_nowait())
+            out: list[Row] = []
+            for item in items:
+                if isinstance(item, _Ended):
+                    running -= 1
+                    if item.exc is not None:
+                        raise item.exc
+                else:
+                    out.extend(item)
+            if out:
+                yield out
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
 class StageRunner:
     """A Ray Data callable class that runs ``stages`` over each batch (see module docstring).
 
     The last stage says what leaves (:meth:`~llmbatch.stages.base.Stage.to_table`): rows
     encoded for the next operator, or, in the last operator, the processor's output rows.
     ``continue_on_error``: error rows travel on as rows; off, the first one fails the run.
+    ``batch_rows``: rows per call of each stage; a block of more rows runs as batches of this
+    many side by side (:func:`run_batches`), 0: the block is one batch.
     """
 
     def __init__(self, stages: list[Stage], *, continue_on_error: bool = True, run_id: str | None = None,
-                 role: str = "", peers: int = 1, peer_wait_s: float = 300.0):
+                 role: str = "", peers: int = 1, peer_wait_s: float = 300.0, batch_rows: int = 0):
         self.stages = stages
+        self.batch_rows = batch_rows
         for position, stage in enumerate(stages):
             stage.position = position
         self._last = stages[-1] if stages else Stage()
@@ -134,7 +188,7 @@ class StageRunner:
 
     def __call__(self, batch: pa.Table) -> Iterator[pa.Table]:
         rows = decode_rows(batch)
-        for chunk in self._loop.iterate(run_stages(self.stages, rows)):
+        for chunk in self._loop.iterate(run_batches(self.stages, rows, self.batch_rows)):
             if not chunk:
                 continue
             if not self.continue_on_error:

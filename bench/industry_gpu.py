@@ -1,0 +1,183 @@
+"""The seeds' industry job on a GPU: llmbatch (``llmbatch run``, a real job process) against plain
+vLLM (``LLM.chat`` over every row with the same choice constraint, answers written to Parquet),
+each in a fresh process with the same model folder and the same pinned engine settings.
+
+    python bench/industry_gpu.py --system llmbatch|vllm --model DIR --input customers.csv --out DIR
+        [--rows N] [--set FIELD=VALUE ...]
+
+The job is bench/row_marginal.py's (its system prompt, "What industry is this company in:
+{Company}", nine industries, temperature 0, max_tokens 16). Per run, in ``OUT/<system>-<rows>.json``:
+the wall from the process's launch to its answers written and the process's end, the job's
+phases (llmbatch's ``stats.json``), GPU utilisation every 0.5 s (``nvidia-smi``), and for
+llmbatch the engine's requests in flight over time (from the committed rows' stats) and its
+requests sent. ``--compare A.parquet`` adds the share of rows whose answer equals another run's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from row_marginal import CHOICES, SYSTEM, USER, in_flight_timeline
+
+PINNED = {"max_model_len": 2048, "max_num_seqs": 1024, "max_num_batched_tokens": 16384,
+          "gpu_memory_utilization": 0.85, "enable_prefix_caching": True, "load_format": "dummy"}
+
+
+class GpuSampler:
+    """``nvidia-smi`` every ``step`` seconds on a thread: [seconds since start, util %, MiB]."""
+
+    def __init__(self, step: float = 0.5):
+        self.step, self.points, self._stop = step, [], threading.Event()
+        self.t0 = time.time()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.step):
+            try:
+                out = subprocess.run(["nvidia-smi", "--query-gpu=utilization.gpu,memory.used",
+                                      "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=5)
+                util, mem = out.stdout.strip().splitlines()[0].split(",")
+                self.points.append([round(time.time() - self.t0, 1), int(util), int(mem)])
+            except Exception:  # noqa: BLE001 - a missing sample, not a failed run
+                pass
+
+    def stop(self) -> list:
+        self._stop.set()
+        self.thread.join(timeout=10)
+        return self.points
+
+
+def busy_share(points: list, since: float = 0.0) -> float | None:
+    """Mean GPU utilisation over the samples after ``since`` seconds."""
+    vals = [p[1] for p in points if p[0] >= since]
+    return round(sum(vals) / len(vals), 1) if vals else None
+
+
+def run_llmbatch(args) -> dict:
+    folder = Path(args.out) / f"llmbatch-{args.rows}-{int(time.time())}"
+    folder.mkdir(parents=True)
+    job = {"input": {"path": str(Path(args.input).resolve()), "id_column": "Index", "limit": args.rows},
+           "model": {"source": str(Path(args.model).resolve()), "engine_kwargs": PINNED, "batch_size": 256,
+                     "keep_warm_s": 0},
+           "prompt": {"system": SYSTEM, "user": USER, "choices": CHOICES},
+           "sampling_params": {"temperature": 0, "max_tokens": 16},
+           "output": {"path": str(folder / "out.parquet"), "columns": ["Index", "generated_text"]}}
+    (folder / "job.yaml").write_text(json.dumps(job))
+    cmd = [sys.executable, "-m", "llmbatch", "run", str(folder / "job.yaml"), "--quiet"]
+    for s in args.sets:
+        cmd += ["--set", s]
+    gpu = GpuSampler()
+    t0 = time.time()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    wall = time.time() - t0
+    points = gpu.stop()
+    result = {"system": "llmbatch", "rows": args.rows, "rc": proc.returncode, "wall_s": round(wall, 2),
+              "gpu": points, "sets": args.sets}
+    if proc.returncode != 0:
+        result["stderr"] = proc.stderr[-4000:]
+        log = folder / "out.parquet.job" / "log.txt"
+        result["log"] = log.read_text()[-4000:] if log.exists() else ""
+        return result
+    job_dir = folder / "out.parquet.job"
+    stats = json.loads((job_dir / "stats.json").read_text())
+    import pyarrow.parquet as pq
+
+    ids = pq.read_table(folder / "out.parquet", columns=["Index"]).column(0).to_pylist()
+    timeline = in_flight_timeline(job_dir)
+    rows_start = (stats["phases_s"].get("to_first_row") or 0)
+    result.update(rows_ok=stats["rows_ok"], rows_error=stats["rows_error"], ids_once=len(ids) == len(set(ids)) == args.rows,
+                  requests_to_engine=stats["rows_ok"] - stats["deduplicated_rows"],
+                  generated_tokens=stats["generated_tokens"], phases_s=stats["phases_s"], in_flight=timeline,
+                  gpu_busy_rows_phase=busy_share(points, rows_start), output=str(folder / "out.parquet"))
+    return result
+
+
+def run_vllm(args) -> dict:
+    import psutil
+
+    start = psutil.Process().create_time()
+    with open(args.input, newline="") as f:
+        rows = [r for _, r in zip(range(args.rows), csv.DictReader(f))]
+    gpu = GpuSampler()
+    from vllm import LLM, SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    llm = LLM(str(Path(args.model).resolve()), **PINNED)
+    ready = time.time()
+    first: list[float] = []
+    add_request = llm.llm_engine.add_request
+
+    def noted(*a, **kw):
+        if not first:
+            first.append(time.time())
+        return add_request(*a, **kw)
+
+    llm.llm_engine.add_request = noted
+    params = SamplingParams(temperature=0, max_tokens=16, structured_outputs=StructuredOutputsParams(choice=CHOICES))
+    messages = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": USER.format(**r)}] for r in rows]
+    outs = llm.chat(messages, params, use_tqdm=False)
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder = Path(args.out)
+    path = folder / f"vllm-{args.rows}-{int(time.time())}.parquet"
+    pq.write_table(pa.table({"Index": [r["Index"] for r in rows], "generated_text": [o.outputs[0].text for o in outs]}),
+                   path)
+    end = time.time()
+    gen = sum(len(o.outputs[0].token_ids) for o in outs)
+    llm.llm_engine.engine_core.shutdown()
+    points = gpu.stop()
+    return {"system": "vllm", "rows": len(rows), "rc": 0, "wall_s": round(end - start, 2),
+            "engine_ready_s": round(ready - start, 2), "to_first_request_s": round(first[0] - start, 2) if first else None,
+            "engine_window_s": round(end - first[0], 2) if first else None, "requests_to_engine": len(rows),
+            "generated_tokens": gen, "gpu": points, "output": str(path),
+            "gpu_busy_after_first_request": busy_share(points, (first[0] - gpu.t0) if first else 0.0)}
+
+
+def agreement(a: str, b: str) -> dict:
+    import pyarrow.parquet as pq
+
+    x = {str(k): v for k, v in zip(*[pq.read_table(a).column(c).to_pylist() for c in ("Index", "generated_text")])}
+    y = {str(k): v for k, v in zip(*[pq.read_table(b).column(c).to_pylist() for c in ("Index", "generated_text")])}
+    both = set(x) & set(y)
+    same = sum(1 for k in both if x[k] == y[k])
+    return {"rows_compared": len(both), "same": same, "share": round(same / len(both), 4) if both else None}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--system", required=True, choices=["llmbatch", "vllm"])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--input", required=True)
+    ap.add_argument("--rows", type=int, default=200000)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--set", action="append", default=[], dest="sets")
+    ap.add_argument("--timeout", type=int, default=560)
+    ap.add_argument("--compare", default="")
+    ap.add_argument("--engine-kwargs", default="", help="JSON: instead of the pinned GPU settings (a CPU dry run)")
+    args = ap.parse_args()
+    if args.engine_kwargs:
+        PINNED.clear()
+        PINNED.update(json.loads(args.engine_kwargs))
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    result = run_llmbatch(args) if args.system == "llmbatch" else run_vllm(args)
+    if args.compare and result.get("output"):
+        result["agreement"] = agreement(result["output"], args.compare)
+    name = Path(args.out) / f"{args.system}-{args.rows}-{int(time.time())}.json"
+    name.write_text(json.dumps(result, indent=1))
+    brief = {k: v for k, v in result.items() if k not in ("gpu", "in_flight")}
+    print(json.dumps(brief), flush=True)
+
+
+if __name__ == "__main__":
+    main()
