@@ -152,9 +152,9 @@ def _engine_layout(config: OfflineProcessorConfig, engine: Any, *, remote_fn=Non
             mm.media_access, allowed_local_media_path=engine_kwargs.allowed_local_media_path,
             allowed_media_domains=engine_kwargs.allowed_media_domains, max_bytes=mm.max_item_bytes,
             timeout_s=mm.fetch_timeout_s, retries=mm.fetch_retries)
-        vllm_chat = VllmChat(mm.model_source or config.model_source, config.engine_kwargs, mm.model_config_kwargs,
+        vllm_chat = VllmChat(mm.model_source or config.model_source, engine_kwargs, mm.model_config_kwargs,
                              mm.chat_template_content_format, ct.chat_template if ct.enabled else None,
-                             system_as_text=bool(mm.apply_sys_msg_formatting))
+                             apply_sys_msg_formatting=bool(mm.apply_sys_msg_formatting))
         pre.append(StageSpec(PrepareMultimodalStage(vllm_chat, policy), mm))
     if ct.enabled:
         pre.append(StageSpec(ChatTemplateStage(ct.model_source or config.model_source, ct.chat_template,

@@ -35,19 +35,19 @@ class VllmChat:
     (the model config, the tokenizer) loads on first use, in the worker."""
 
     def __init__(self, model_source: str, engine_kwargs: dict[str, Any] | None = None,
-                 model_config_kwargs: dict[str, Any] | None = None, content_format: str | None = None,
-                 chat_template: str | None = None, system_as_text: bool = False):
+                 model_config_kwargs: dict[str, Any] | None = None, chat_template_content_format: str | None = None,
+                 chat_template: str | None = None, apply_sys_msg_formatting: bool = False):
         self.model_source = model_source
         # the engine's own arguments, media options included: vLLM reads the audio and video
         # parts it is handed (images arrive decoded) under the same allowed path and hosts
         self.engine_kwargs = dict(engine_kwargs or {})
         self.model_config_kwargs = dict(model_config_kwargs or {})
-        self.given_format = content_format or "auto"
+        self.given_format = chat_template_content_format or "auto"
         self.chat_template = chat_template
         #: Ray's ``apply_sys_msg_formatting``: system messages stay plain strings (text parts
         #: joined), outside vLLM's content formatting, for templates that want string system
         #: prompts
-        self.system_as_text = system_as_text
+        self.apply_sys_msg_formatting = apply_sys_msg_formatting
         self.model_config = None
         self.tokenizer = None
         self.content_format = None
@@ -100,7 +100,7 @@ class VllmChat:
 
         self.setup()
         system: list[dict[str, Any]] = []
-        if self.system_as_text:
+        if self.apply_sys_msg_formatting:
             system = [{**m, "content": _text_of(m.get("content"))} for m in messages if m.get("role") == "system"]
             messages = [m for m in messages if m.get("role") != "system"]
         messages, clips = _set_clips_aside(messages)
