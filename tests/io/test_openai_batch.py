@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from llmbatch.io.openai_batch import Options, read_openai_batch, validate_batch_file
-from llmbatch.io.openai_lines import error_code, error_line, output_line
-from llmbatch.io.openai_requests import RequestError, translate
+from llmbatch.openai.batch_file import Options, read_openai_batch, validate_batch_file
+from llmbatch.openai.responses import error_code, error_line, output_line
+from llmbatch.openai.requests import RequestError, translate
 from llmbatch.io.readers import READ_ERROR
 from llmbatch.rows import OPENAI, STATS
 

@@ -3,7 +3,7 @@
 A row carries its own request (``payload``, Ray's contract: sent as it is, JSON, or multipart
 when a value is bytes, as audio transcription endpoints take it) or asks as rows do for the
 local engine (``messages``/``prompt`` with ``sampling_params``, turned into a chat/completions
-request by :mod:`llmbatch.engines.openai_api`).
+request by :mod:`llmbatch.openai.client`).
 
 Per worker, many requests are in flight at once (:class:`~llmbatch.engines.limits.AdaptiveConcurrency`,
 halved on 429/503 and raised back as answers arrive); the rate limits hold for the whole
@@ -33,7 +33,7 @@ from llmbatch.engines.limits import (
     limiter_name,
     shared_limiter,
 )
-from llmbatch.engines.openai_api import (
+from llmbatch.openai.client import (
     answer_columns,
     endpoint_url,
     estimate_tokens,
@@ -41,6 +41,7 @@ from llmbatch.engines.openai_api import (
     request_body,
     usage_counts,
 )
+from llmbatch.openai.vocab import COMPLETIONS
 from llmbatch.errors import (
     EndpointConnectionError,
     EndpointError,
@@ -234,7 +235,7 @@ class HttpEngine(Engine):
         kind, payload, spec = request_body(row, self.model, self.structured_fields)
         body = json.dumps(payload, ensure_ascii=False).encode()
         key = hashlib.blake2b(body, digest_size=16).digest() if self.dedup and is_deterministic(payload) else None
-        prompt = row["prompt"] if kind == "completions" else ""
+        prompt = row["prompt"] if kind == COMPLETIONS else ""
         return Request(prompt=endpoint_url(self.url, kind), params=body, key=key,
                        extra={"kind": kind, "tokens": estimate_tokens(payload), "structured": spec, "prompt": prompt})
 

@@ -23,13 +23,13 @@ import time
 from typing import Any
 
 from llmbatch.engines.base import Engine, Request
-from llmbatch.engines.openai_api import (
-    CHAT,
+from llmbatch.openai.client import (
     answer_columns,
     is_deterministic,
     request_body,
     usage_counts,
 )
+from llmbatch.openai.vocab import CHAT, SERVE_METHODS
 from llmbatch.errors import EndpointTimeoutError, EngineStartError, RowValidationError
 from llmbatch.rows import Row, to_python
 
@@ -116,7 +116,7 @@ class ServeEngine(Engine):
         dtype = self.dtype_mapping.get("ChatCompletionRequest" if kind == CHAT else "CompletionRequest")
         key = json.dumps(body, sort_keys=True, default=str) if self.dedup and is_deterministic(body) else None
         prompt = row["prompt"] if kind != CHAT else ""
-        return Request(prompt=kind, params=(dtype, body), key=key,
+        return Request(prompt=SERVE_METHODS[kind], params=(dtype, body), key=key,
                        extra={"kind": kind, "structured": spec, "prompt": prompt})
 
     def _dtype(self, name: Any) -> Any:

@@ -22,7 +22,7 @@ import pyarrow as pa
 
 from llmbatch.codec import table_to_rows
 from llmbatch.io.files import fsync_dir, temporary_name
-from llmbatch.io.openai_lines import error_code, error_line, output_line
+from llmbatch.openai.responses import error_code, error_line, output_line
 from llmbatch.jobs.ingest import input_rows
 from llmbatch.jobs.meta import JobMeta
 from llmbatch.jobs.openai_batch import errors_path, served_names

@@ -30,7 +30,7 @@ from llmbatch.errors import ConfigError
 from llmbatch.io.files import atomic_write_json, fsync_dir
 from llmbatch.io.readers import typed_text_column
 from llmbatch.io.writers import OutputWriter, unify_schema
-from llmbatch.io.openai_batch import FORMAT
+from llmbatch.openai.batch_file import FORMAT
 from llmbatch.jobs.meta import JobMeta
 from llmbatch.jobs.openai_batch import errors_path, is_openai_batch
 from llmbatch.jobs.openai_output import write_openai_output

@@ -22,9 +22,9 @@ import numpy as np
 
 from llmbatch.codec import digest64
 from llmbatch.config import EndpointProcessorConfig
-from llmbatch.engines.openai_api import estimate_tokens
+from llmbatch.openai.client import estimate_tokens
 from llmbatch.errors import ConfigError
-from llmbatch.io.openai_batch import read_openai_batch
+from llmbatch.openai.batch_file import read_openai_batch
 from llmbatch.io.readers import READ_ERROR, read_rows
 from llmbatch.jobs.openai_batch import batch_options, is_openai_batch
 from llmbatch.jobs.prompts import check_prompt_fields, job_preprocess

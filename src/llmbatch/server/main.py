@@ -22,8 +22,8 @@ from typing import Any
 import uvicorn
 
 from llmbatch.errors import ConfigError
-from llmbatch.io.openai_batch import Options
-from llmbatch.io.openai_requests import ENDPOINTS
+from llmbatch.openai.batch_file import Options
+from llmbatch.openai.vocab import ENDPOINTS
 from llmbatch.jobs.openai_batch import served_names
 from llmbatch.jobs.spec import apply_overrides, load_job
 from llmbatch.server.app import create_app
