@@ -42,6 +42,8 @@ CASES = {
     "stream": (CHAT, {"stream": True}, "'stream' must be false"),
     "tools": (CHAT, {"tools": [{"type": "function"}]}, "tool calling is not supported"),
     "vLLM's top_k": (CHAT, {"top_k": 5}, None),
+    "vLLM's top_k a string": (CHAT, {"top_k": "5"}, "sampling param 'top_k' must be an integer, got '5'"),
+    "vLLM's ignore_eos a string": (COMPLETIONS, {"ignore_eos": "yes"}, "'ignore_eos' must be true or false"),
     "vLLM's request_id": (CHAT, {"request_id": "r1"}, None),
     "bookkeeping": (CHAT, {"user": "u", "metadata": {"a": "b"}}, None),
     "echo": (COMPLETIONS, {"echo": True}, "echo is not supported"),

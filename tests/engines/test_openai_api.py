@@ -103,8 +103,8 @@ def test_serving_side_round_trip():
 def test_an_endpoint_checks_structured_outputs_as_the_engines_do(spec):
     """One check of a structured-output spec for every engine (it had drifted: a JSON schema
     that is not an object got a different message on the HTTP path)."""
-    from llmbatch.openai.client import structured_spec
-    from llmbatch.engines.vllm_params import validate_structured
+    from llmbatch.params import structured_spec
+    from llmbatch.params import validate_structured
 
     with pytest.raises(RowValidationError) as engine:
         validate_structured(spec)

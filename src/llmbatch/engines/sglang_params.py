@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from llmbatch.engines.vllm_params import check_types, row_sampling_params, validate_structured
+from llmbatch.params import check_types, row_sampling_params, validate_structured
 from llmbatch.errors import RowValidationError, suggestion
 from llmbatch.rows import to_python
 

@@ -19,16 +19,15 @@ import json
 import math
 from typing import Any
 
-from llmbatch.engines.vllm_params import check_types, validate_structured
 from llmbatch.errors import InvalidResponseError, RowValidationError, suggestion
 from llmbatch.openai.vocab import (
     CHAT,
     COMPLETIONS,
     GUIDED,
     OPENAI_PARAMS,
-    STRUCTURED_KEYS,
     VLLM_PARAMS,
 )
+from llmbatch.params import check_types, row_sampling_params, structured_spec
 from llmbatch.rows import (
     DEFAULT_MAX_TOKENS,
     SAMPLING_PARAM_NAMES,
@@ -45,21 +44,6 @@ def endpoint_url(url: str, endpoint: str) -> str:
             base = base[: -len(suffix)]
             break
     return base + endpoint.removeprefix("/v1")
-
-
-def structured_spec(raw: Any) -> dict[str, Any] | None:
-    """A row's ``structured_outputs`` checked: its keys here, then its JSON schema, regex and
-    choices as every engine checks them (:func:`~llmbatch.engines.vllm_params.validate_structured`)."""
-    if raw is None:
-        return None
-    if not isinstance(raw, dict):
-        raise RowValidationError(f"structured_outputs must be a dict (e.g. {{'choice': [...]}}), got {type(raw).__name__}")
-    spec = {k: v for k, v in raw.items() if v not in (None, False) and k != "backend"}
-    for key in spec:
-        if key not in STRUCTURED_KEYS:
-            raise RowValidationError(f"unknown structured_outputs key '{key}'{suggestion(key, STRUCTURED_KEYS)}")
-    spec = validate_structured(spec)
-    return spec or None
 
 
 def _constraint_fields(spec: dict[str, Any], fields: str) -> dict[str, Any]:
@@ -110,13 +94,8 @@ def _wire_messages(messages: Any) -> list[dict[str, Any]]:
 def request_body(row: dict[str, Any], model: str | None, fields: str = "auto") -> tuple[str, dict[str, Any], dict | None]:
     """(endpoint, body, structured spec) for a row with ``messages`` (chat) or ``prompt``
     (completions) and ``sampling_params``; raises :class:`RowValidationError` naming the field."""
-    sp = to_python(row.get("sampling_params") or {})
-    if not isinstance(sp, dict):
-        raise RowValidationError(f"sampling_params must be a dict, got {type(sp).__name__}")
-    sp = {k: v for k, v in sp.items() if v is not None}
-    if "guided_decoding" in sp:
-        sp.setdefault("structured_outputs", sp.pop("guided_decoding"))
-    spec = structured_spec(sp.pop("structured_outputs", None))
+    sp, structured = row_sampling_params(to_python(row.get("sampling_params") or {}))
+    spec = structured_spec(structured)
     for key in sp:
         if key not in SAMPLING_PARAM_NAMES:
             raise RowValidationError(f"unknown sampling param '{key}'{suggestion(key, sorted(SAMPLING_PARAM_NAMES))}")

@@ -29,6 +29,7 @@ from llmbatch.openai.vocab import (
     SERVE_METHODS,
     VLLM_PARAMS,
 )
+from llmbatch.params import check_types
 from llmbatch.rows import OPENAI, normalize_messages
 
 class RequestError(RowValidationError):
@@ -94,6 +95,10 @@ def _sampling(body: dict[str, Any]) -> dict[str, Any]:
                                "invalid_value") from None
     for key in VLLM_PARAMS:
         if body.get(key) is not None:
+            try:
+                check_types({key: body[key]})  # as every engine checks them
+            except RowValidationError as exc:
+                raise RequestError(str(exc), key, "invalid_type") from None
             sp[key] = body[key]
     return sp
 

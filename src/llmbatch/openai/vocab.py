@@ -43,8 +43,6 @@ VLLM_PARAMS = ("top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos
 LOCAL_ONLY_PARAMS = ("detokenize", "output_text_buffer_length", "stream_interval", "flat_logprobs",
                      "skip_reading_prefix_cache", "extra_args", "watermarking", "prompt_logprob_token_ids",
                      "prompt_logprob_start")
-#: structured_outputs keys.
-STRUCTURED_KEYS = ("json", "json_object", "choice", "regex", "grammar", "structural_tag", "whitespace_pattern")
 #: vLLM's older constraint fields (``guided_json``...) and the structured_outputs key each means.
 GUIDED = {f"guided_{key}": key for key in ("json", "choice", "regex", "grammar")}
 #: How constraints are sent: "auto" (JSON schemas as OpenAI's response_format, choice/regex/
