@@ -6,7 +6,8 @@ file's lines, ``llmbatch serve``'s batches and the Ray Serve deployment's reques
 field OpenAI defines that maps to a vLLM setting is honoured; fields that change nothing in
 the answer (``user``, ``metadata``, ``store``...) are accepted and ignored; vLLM's own extra
 sampling fields (``top_k``, ``min_p``, ``repetition_penalty``...) pass through as vLLM's
-server takes them, and so are its older ``guided_*`` constraints; anything else is an error that
+server takes them (their types checked as every engine checks them), and its older ``guided_*``
+constraints join ``response_format`` in ``structured_outputs``; anything else is an error that
 names the field (why strict: :mod:`llmbatch.openai.vocab`). The same function validates a batch
 file before any inference, builds each row's request in the workers, and builds the row of a
 request the Serve deployment answers (:func:`rows_from_request`).
@@ -31,6 +32,7 @@ from llmbatch.openai.vocab import (
 )
 from llmbatch.params import check_types
 from llmbatch.rows import OPENAI, normalize_messages
+
 
 class RequestError(RowValidationError):
     """A request body llmbatch cannot run; ``code`` and ``param`` as OpenAI's errors have them."""
