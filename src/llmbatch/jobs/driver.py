@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from llmbatch.builders import build_internal_processor
+from llmbatch.builders import build_layout
 from llmbatch.cluster import ensure_ray
 from llmbatch.codec import decode_rows, encode_rows, rows_to_table
 from llmbatch.errors import EngineStartError, JobError, LLMBatchError, RowError
@@ -33,6 +33,7 @@ from llmbatch.jobs.tally import Tally
 from llmbatch.processor import Processor
 from llmbatch.progress import Progress
 from llmbatch.rows import ANSWER, ERROR_COLUMN, PRIVATE_PREFIX, ROW_ID, STATS
+from llmbatch.stages.output import OutputStage
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +48,9 @@ def build_job_processor(spec: JobSpec) -> Processor:
     post = load_function(spec.postprocess, spec.python_path) if spec.postprocess else None
     if is_openai_batch(spec):
         post = OpenAIBatchPostprocess()
-    return build_internal_processor(spec.processor_config(), preprocess=job_preprocess(spec), postprocess=post,
-                                    keep_private=(ROW_ID, STATS, ANSWER), encoded_output=True)
+    config = spec.processor_config()
+    return Processor(config, build_layout(config, preprocess=job_preprocess(spec), postprocess=post,
+                                          output=OutputStage(keep_private=(ROW_ID, STATS, ANSWER), encoded=True)))
 
 
 def answer_tag(spec: JobSpec) -> str:
