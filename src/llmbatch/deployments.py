@@ -27,12 +27,12 @@ from typing import Any
 from llmbatch.builders import build_layout
 from llmbatch.cluster import ensure_ray
 from llmbatch.config import LLMConfig, vLLMEngineProcessorConfig
+from llmbatch.errors import ConfigError, MissingDependencyError
 from llmbatch.openai.requests import rows_from_request
 from llmbatch.openai.responses import response_object
 from llmbatch.openai.vocab import CHAT, COMPLETIONS
-from llmbatch.errors import ConfigError, MissingDependencyError
 from llmbatch.processor import engine_cpu_share
-from llmbatch.rows import ERROR_COLUMN, PRIVATE_PREFIX, REQUEST_COLUMNS, Row, is_error
+from llmbatch.rows import ERROR_COLUMN, OPENAI, PRIVATE_PREFIX, REQUEST_COLUMNS, Row, is_error
 from llmbatch.stages.runner import run_stages
 
 logger = logging.getLogger(__name__)
@@ -67,8 +67,8 @@ class LLMServer:
         """One OpenAI request through the stages: the batch path's rules for the request
         (:mod:`llmbatch.openai.requests`), its response as a batch's output line holds it."""
         rows = rows_from_request(endpoint, request)
-        for sub, row in enumerate(rows):
-            row["sub"] = sub
+        for sub, row in enumerate(rows):  # what the response builder reads, as the batch path's preprocess
+            row.update(sub=sub, top_logprobs=(row.get(OPENAI) or {}).get("top_logprobs"))
         answered = sorted(await self._answer(rows), key=lambda r: r["sub"])
         return response_object(endpoint, self.model_id, *answered)
 

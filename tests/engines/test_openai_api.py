@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from llmbatch.errors import InvalidResponseError, RowValidationError
 from llmbatch.openai.client import (
     answer_columns,
     endpoint_url,
@@ -14,7 +15,6 @@ from llmbatch.openai.client import (
 from llmbatch.openai.requests import row_from_request
 from llmbatch.openai.responses import response_object
 from llmbatch.openai.vocab import CHAT, COMPLETIONS
-from llmbatch.errors import InvalidResponseError, RowValidationError
 
 
 def test_endpoint_url_from_the_endpoint_or_its_base():

@@ -27,13 +27,13 @@ import time
 from typing import Any
 
 from llmbatch.engines.base import Engine, Request
-from llmbatch.engines.settings import HttpSettings
 from llmbatch.engines.limits import (
     AdaptiveConcurrency,
     RateLimits,
     limiter_name,
     shared_limiter,
 )
+from llmbatch.engines.settings import HttpSettings
 from llmbatch.errors import (
     EndpointConnectionError,
     EndpointError,

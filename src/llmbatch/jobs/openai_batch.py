@@ -13,10 +13,10 @@ import json
 import os
 from typing import Any
 
+from llmbatch.models import ALIASES
 from llmbatch.openai.batch_file import FORMAT, BatchFileError, Options, peek, validate_batch_file
 from llmbatch.openai.requests import translate
 from llmbatch.openai.vocab import EMBEDDINGS
-from llmbatch.models import ALIASES
 from llmbatch.rows import OPENAI
 
 #: What the output lines need from an answered row (the request itself stays in input/).

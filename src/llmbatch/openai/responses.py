@@ -27,7 +27,7 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from llmbatch.openai.vocab import CHAT, COMPLETIONS, EMBEDDINGS, LINE_ID, OBJECTS, REQUEST_ID
-from llmbatch.rows import OPENAI, STATS, parse_error
+from llmbatch.rows import STATS, parse_error
 
 try:
     FINGERPRINT = f"llmbatch-{version('llmbatch')}"
@@ -145,7 +145,7 @@ def response_body(rows: list[dict[str, Any]], url: str, model: str, response_id:
                 "data": data, "usage": _usage(rows, completion=False)}
     choices = []
     for row in rows:
-        k = int(row.get("top_logprobs") or (row.get(OPENAI) or {}).get("top_logprobs") or 0)
+        k = int(row.get("top_logprobs") or 0)
         for answer in _completions(row):
             finish = answer.get("finish_reason") or "stop"
             choice: dict[str, Any] = {"index": len(choices)}
