@@ -11,8 +11,8 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "llmbatch"
 #: Lowest first. A module may import its own layer (without a cycle) and the ones below.
 LAYERS = [
-    ["errors", "rows", "redact", "codec", "startlog"],
-    ["io", "models", "toy_models", "engines", "progress", "reaper", "sample_data", "sample_images", "sample_audio",
+    ["errors", "rows", "params", "redact", "codec", "startlog"],
+    ["io", "openai", "models", "toy_models", "engines", "progress", "reaper", "sample_data", "sample_images", "sample_audio",
      "install_check", "cluster", "watchdog", "terminal", "report", "model_names"],
     ["config", "resume", "validation", "stages"],
     ["placement", "processor", "builders", "deployments"],
@@ -119,6 +119,40 @@ def test_no_llmbatch_module_is_imported_by_name():
                                                    and a.value.startswith("llmbatch") for a in node.args)
              and isinstance(node.func, ast.Attribute) and node.func.attr == "import_module"]
     assert not found, f"import these plainly (a lazy one goes in LAZY_IMPORTS): {found}"
+
+
+#: What makes an OpenAI wire object: an endpoint's path, a response object's name, an id prefix.
+WIRE_WORDS = {"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "chat.completion", "chat.completion.chunk",
+              "text_completion", "batch_req_", "req_", "chatcmpl-", "cmpl-", "embd-"}
+#: Key sets that make one: a response (choices or data beside its object name) or a batch output line.
+WIRE_SHAPES = ({"object", "choices"}, {"object", "data", "usage"}, {"custom_id", "response"},
+               {"custom_id", "error", "id"})
+
+
+def wire_objects(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, what) for each OpenAI wire word or wire-shaped dict literal in ``tree``."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and node.value in WIRE_WORDS:
+            found.append((node.lineno, repr(node.value)))
+        elif isinstance(node, ast.Dict):
+            keys = {k.value for k in node.keys if isinstance(k, ast.Constant)}
+            found += [(node.lineno, f"a dict with keys {sorted(shape)}") for shape in WIRE_SHAPES if shape <= keys]
+    return found
+
+
+def test_only_the_openai_package_builds_openai_wire_objects():
+    """Requests, responses and batch lines in OpenAI's shape are built by ``llmbatch.openai``
+    alone (they were built twice, and the two copies drifted: one answered choices[0] only)."""
+    found = [f"{name}:{line}: {what}" for name, path in sorted(modules().items()) if name.split(".")[0] != "openai"
+             for line, what in wire_objects(ast.parse(path.read_text()))]
+    assert not found, "use llmbatch.openai (its vocab, requests, responses) instead:\n" + "\n".join(found)
+
+
+def test_the_wire_check_sees_a_wire_object():
+    source = 'def answer(text):\n    return {"object": "chat.completion", "choices": [{"text": text}]}\n'
+    assert sorted(what for _, what in wire_objects(ast.parse(source))) == [
+        "'chat.completion'", "a dict with keys ['choices', 'object']"]
 
 
 @pytest.mark.parametrize("name,path", sorted(modules().items()))

@@ -27,15 +27,12 @@ from typing import Any
 from llmbatch.builders import build_layout
 from llmbatch.cluster import ensure_ray
 from llmbatch.config import LLMConfig, vLLMEngineProcessorConfig
-from llmbatch.engines.openai_api import (
-    CHAT,
-    COMPLETIONS,
-    response_body,
-    row_from_request,
-)
 from llmbatch.errors import ConfigError, MissingDependencyError
+from llmbatch.openai.requests import rows_from_request
+from llmbatch.openai.responses import response_object
+from llmbatch.openai.vocab import CHAT, COMPLETIONS
 from llmbatch.processor import engine_cpu_share
-from llmbatch.rows import ERROR_COLUMN, PRIVATE_PREFIX, REQUEST_COLUMNS, Row, is_error
+from llmbatch.rows import ERROR_COLUMN, OPENAI, PRIVATE_PREFIX, REQUEST_COLUMNS, Row, is_error
 from llmbatch.stages.runner import run_stages
 
 logger = logging.getLogger(__name__)
@@ -57,23 +54,32 @@ class LLMServer:
         for stage in self.stages:
             await stage.start()
 
-    async def _answer(self, row: Row) -> Row:
+    async def _answer(self, rows: list[Row]) -> list[Row]:
         out: list[Row] = []
-        async for chunk in run_stages(self.stages, [row]):
+        async for chunk in run_stages(self.stages, rows):
             out.extend(chunk)
-        answered = out[0]
-        if is_error(answered):
-            raise ValueError(answered[ERROR_COLUMN])  # Ray's recoverable error: the row's, not the replica's
-        return answered
+        for answered in out:
+            if is_error(answered):
+                raise ValueError(answered[ERROR_COLUMN])  # Ray's recoverable error: the row's, not the replica's
+        return out
+
+    async def _respond(self, endpoint: str, request: Any) -> dict[str, Any]:
+        """One OpenAI request through the stages: the batch path's rules for the request
+        (:mod:`llmbatch.openai.requests`), its response as a batch's output line holds it."""
+        rows = rows_from_request(endpoint, request)
+        for sub, row in enumerate(rows):  # what the response builder reads, as the batch path's preprocess
+            row.update(sub=sub, top_logprobs=(row.get(OPENAI) or {}).get("top_logprobs"))
+        answered = sorted(await self._answer(rows), key=lambda r: r["sub"])
+        return response_object(endpoint, self.model_id, *answered)
 
     async def chat(self, request: Any):
-        yield response_body(CHAT, self.model_id, await self._answer(row_from_request(CHAT, request)))
+        yield await self._respond(CHAT, request)
 
     async def completions(self, request: Any):
-        yield response_body(COMPLETIONS, self.model_id, await self._answer(row_from_request(COMPLETIONS, request)))
+        yield await self._respond(COMPLETIONS, request)
 
     async def generate(self, row: dict[str, Any]):
-        answered = await self._answer(dict(row))
+        answered = (await self._answer([dict(row)]))[0]
         yield {k: v for k, v in answered.items() if not k.startswith(PRIVATE_PREFIX) and k not in REQUEST_COLUMNS}
 
     async def __del__(self):

@@ -116,3 +116,24 @@ def test_a_job_file_names_the_deployment_in_its_model_section(deployment, tmp_pa
     assert result.ok and result.stats["rows_ok"] == 10, result.stats
     answers = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert all(a["generated_text"] in ("retail", "finance", "other") and a["num_input_tokens"] > 0 for a in answers)
+
+
+def test_a_request_for_n_answers_gets_n_choices_as_the_batch_path_writes_them(deployment):
+    """The deployment answers with the batch path's response builder: all ``n`` choices (it
+    answered ``choices[0]`` alone), their finish reasons, logprobs and the usage of all of them."""
+    import ray
+
+    from llmbatch import ServeDeploymentProcessorConfig, build_processor
+
+    config = ServeDeploymentProcessorConfig(deployment_name=DEPLOYMENT, app_name=APP)
+    processor = build_processor(config, preprocess=lambda row: dict(method="chat", request_kwargs=dict(
+        model="smol", messages=[{"role": "user", "content": row["q"]}], n=2, temperature=1, seed=7, max_tokens=4,
+        logprobs=True, top_logprobs=2)))
+    (row,) = processor(ray.data.from_items([{"q": "Name a colour."}])).take_all()
+    assert row["__inference_error__"] == "" and row["object"] == "chat.completion", row
+    choices = row["choices"]
+    assert [c["index"] for c in choices] == [0, 1], choices
+    assert all(c["message"]["content"] and c["finish_reason"] in ("stop", "length") for c in choices)
+    assert all(len(c["logprobs"]["content"][0]["top_logprobs"]) == 2 for c in choices)
+    generated = sum(len(c["logprobs"]["content"]) for c in choices)
+    assert row["usage"]["completion_tokens"] == generated and row["usage"]["prompt_tokens"] > 0

@@ -4,18 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from llmbatch.engines.openai_api import (
-    CHAT,
-    COMPLETIONS,
+from llmbatch.errors import InvalidResponseError, RowValidationError
+from llmbatch.openai.client import (
     answer_columns,
     endpoint_url,
     estimate_tokens,
     is_deterministic,
     request_body,
-    response_body,
-    row_from_request,
 )
-from llmbatch.errors import InvalidResponseError, RowValidationError
+from llmbatch.openai.requests import row_from_request
+from llmbatch.openai.responses import response_object
+from llmbatch.openai.vocab import CHAT, COMPLETIONS
 
 
 def test_endpoint_url_from_the_endpoint_or_its_base():
@@ -92,7 +91,7 @@ def test_serving_side_round_trip():
     assert row["messages"] == request["messages"]
     assert row["sampling_params"] == {"temperature": 0, "max_tokens": 4,
                                       "structured_outputs": {"choice": ["a"], "json_object": True}}
-    answer = response_body(CHAT, "m", {"generated_text": "a", "finish_reason": "stop", "num_input_tokens": 3,
+    answer = response_object(CHAT, "m", {"generated_text": "a", "finish_reason": "stop", "num_input_tokens": 3,
                                        "num_generated_tokens": 1})
     assert answer_columns(CHAT, answer)["generated_text"] == "a"
     assert answer["usage"]["total_tokens"] == 4
@@ -104,8 +103,8 @@ def test_serving_side_round_trip():
 def test_an_endpoint_checks_structured_outputs_as_the_engines_do(spec):
     """One check of a structured-output spec for every engine (it had drifted: a JSON schema
     that is not an object got a different message on the HTTP path)."""
-    from llmbatch.engines.openai_api import structured_spec
-    from llmbatch.engines.vllm_params import validate_structured
+    from llmbatch.params import structured_spec
+    from llmbatch.params import validate_structured
 
     with pytest.raises(RowValidationError) as engine:
         validate_structured(spec)

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from llmbatch.io.openai_batch import Options, read_openai_batch, validate_batch_file
-from llmbatch.io.openai_lines import error_code, error_line, output_line
-from llmbatch.io.openai_requests import RequestError, translate
 from llmbatch.io.readers import READ_ERROR
+from llmbatch.openai.batch_file import Options, read_openai_batch, validate_batch_file
+from llmbatch.openai.requests import RequestError, translate
+from llmbatch.openai.responses import error_code, error_line, output_line
 from llmbatch.rows import OPENAI, STATS
 
 DATA = Path(__file__).resolve().parents[1] / "data"

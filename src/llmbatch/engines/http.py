@@ -3,7 +3,7 @@
 A row carries its own request (``payload``, Ray's contract: sent as it is, JSON, or multipart
 when a value is bytes, as audio transcription endpoints take it) or asks as rows do for the
 local engine (``messages``/``prompt`` with ``sampling_params``, turned into a chat/completions
-request by :mod:`llmbatch.engines.openai_api`).
+request by :mod:`llmbatch.openai.client`).
 
 Per worker, many requests are in flight at once (:class:`~llmbatch.engines.limits.AdaptiveConcurrency`,
 halved on 429/503 and raised back as answers arrive); the rate limits hold for the whole
@@ -27,21 +27,13 @@ import time
 from typing import Any
 
 from llmbatch.engines.base import Engine, Request
-from llmbatch.engines.settings import HttpSettings
 from llmbatch.engines.limits import (
     AdaptiveConcurrency,
     RateLimits,
     limiter_name,
     shared_limiter,
 )
-from llmbatch.engines.openai_api import (
-    answer_columns,
-    endpoint_url,
-    estimate_tokens,
-    is_deterministic,
-    request_body,
-    usage_counts,
-)
+from llmbatch.engines.settings import HttpSettings
 from llmbatch.errors import (
     EndpointConnectionError,
     EndpointError,
@@ -51,6 +43,15 @@ from llmbatch.errors import (
     ResponseTooLargeError,
     RowValidationError,
 )
+from llmbatch.openai.client import (
+    answer_columns,
+    endpoint_url,
+    estimate_tokens,
+    is_deterministic,
+    request_body,
+    usage_counts,
+)
+from llmbatch.openai.vocab import COMPLETIONS
 from llmbatch.redact import redact_text, reveal
 from llmbatch.rows import Row, to_python
 
@@ -224,7 +225,7 @@ class HttpEngine(Engine):
         kind, payload, spec = request_body(row, self.settings.model, self.settings.structured_output_fields)
         body = json.dumps(payload, ensure_ascii=False).encode()
         key = hashlib.blake2b(body, digest_size=16).digest() if self.settings.dedup_requests and is_deterministic(payload) else None
-        prompt = row["prompt"] if kind == "completions" else ""
+        prompt = row["prompt"] if kind == COMPLETIONS else ""
         return Request(prompt=endpoint_url(self.url, kind), params=body, key=key,
                        extra={"kind": kind, "tokens": estimate_tokens(payload), "structured": spec, "prompt": prompt})
 

@@ -24,14 +24,14 @@ from typing import Any
 
 from llmbatch.engines.base import Engine, Request
 from llmbatch.engines.settings import ServeSettings
-from llmbatch.engines.openai_api import (
-    CHAT,
+from llmbatch.errors import EndpointTimeoutError, EngineStartError, RowValidationError
+from llmbatch.openai.client import (
     answer_columns,
     is_deterministic,
     request_body,
     usage_counts,
 )
-from llmbatch.errors import EndpointTimeoutError, EngineStartError, RowValidationError
+from llmbatch.openai.vocab import CHAT, SERVE_METHODS
 from llmbatch.rows import Row, to_python
 
 logger = logging.getLogger(__name__)
@@ -112,7 +112,7 @@ class ServeEngine(Engine):
         dtype = self.dtype_mapping.get("ChatCompletionRequest" if kind == CHAT else "CompletionRequest")
         key = json.dumps(body, sort_keys=True, default=str) if self.settings.dedup_requests and is_deterministic(body) else None
         prompt = row["prompt"] if kind != CHAT else ""
-        return Request(prompt=kind, params=(dtype, body), key=key,
+        return Request(prompt=SERVE_METHODS[kind], params=(dtype, body), key=key,
                        extra={"kind": kind, "structured": spec, "prompt": prompt})
 
     def _dtype(self, name: Any) -> Any:

@@ -13,8 +13,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from llmbatch.engines.vllm_params import check_types, row_sampling_params, validate_structured
 from llmbatch.errors import RowValidationError, suggestion
+from llmbatch.params import check_types, row_sampling_params, validate_structured
 from llmbatch.rows import to_python
 
 #: vLLM's default ``max_tokens``; SGLang's own default (128) would change a row's answer

@@ -21,9 +21,9 @@ import pyarrow.parquet as pq
 from llmbatch.codec import digest64, rows_to_table, table_to_rows
 from llmbatch.errors import JobError
 from llmbatch.io.files import fsync_dir, write_parquet_synced
-from llmbatch.io.openai_batch import FORMAT, Options, read_openai_batch
 from llmbatch.io.readers import READ_ERROR, TextTypes, infer_format, read_rows
 from llmbatch.jobs.store import JobDir
+from llmbatch.openai.batch_file import FORMAT, Options, read_openai_batch
 from llmbatch.rows import ERROR_COLUMN, ROW_ID, is_missing
 
 #: Rows per file of ``input/``.

@@ -1,8 +1,8 @@
 """A job whose input is an OpenAI Batch API file (``input.format: openai-batch``).
 
 The file's lines are the rows (``custom_id``, ``line``, ``url``, ``body``...; see
-:mod:`llmbatch.io.openai_batch`); a built-in preprocess turns each body into the row's request
-(:func:`llmbatch.io.openai_requests.translate`) and a built-in postprocess keeps what the
+:mod:`llmbatch.openai.batch_file`); a built-in preprocess turns each body into the row's request
+(:func:`llmbatch.openai.requests.translate`) and a built-in postprocess keeps what the
 output lines need (:mod:`llmbatch.jobs.openai_output` writes them). The job's own settings
 apply as for any job: the model section, ``sampling_params`` as defaults under each body's.
 """
@@ -13,9 +13,10 @@ import json
 import os
 from typing import Any
 
-from llmbatch.io.openai_batch import FORMAT, BatchFileError, Options, peek, validate_batch_file
-from llmbatch.io.openai_requests import EMBEDDINGS, translate
 from llmbatch.models import ALIASES
+from llmbatch.openai.batch_file import FORMAT, BatchFileError, Options, peek, validate_batch_file
+from llmbatch.openai.requests import translate
+from llmbatch.openai.vocab import EMBEDDINGS
 from llmbatch.rows import OPENAI
 
 #: What the output lines need from an answered row (the request itself stays in input/).

@@ -22,13 +22,13 @@ import pyarrow as pa
 
 from llmbatch.codec import table_to_rows
 from llmbatch.io.files import fsync_dir, temporary_name
-from llmbatch.io.openai_lines import error_code, error_line, output_line
 from llmbatch.jobs.ingest import input_rows
 from llmbatch.jobs.meta import JobMeta
 from llmbatch.jobs.openai_batch import errors_path, served_names
 from llmbatch.jobs.spec import JobSpec
 from llmbatch.jobs.store import JobDir, State, error_record
 from llmbatch.jobs.tally import Tally
+from llmbatch.openai.responses import error_code, error_line, output_line
 from llmbatch.redact import redact_text
 from llmbatch.rows import ERROR_COLUMN, ROW_ID
 

@@ -30,13 +30,13 @@ from llmbatch.errors import ConfigError
 from llmbatch.io.files import atomic_write_json, fsync_dir
 from llmbatch.io.readers import typed_text_column
 from llmbatch.io.writers import OutputWriter, unify_schema
-from llmbatch.io.openai_batch import FORMAT
 from llmbatch.jobs.meta import JobMeta
 from llmbatch.jobs.openai_batch import errors_path, is_openai_batch
 from llmbatch.jobs.openai_output import write_openai_output
 from llmbatch.jobs.spec import JobSpec
 from llmbatch.jobs.store import JobDir, error_record
 from llmbatch.jobs.tally import Tally
+from llmbatch.openai.batch_file import FORMAT
 from llmbatch.progress import Progress
 from llmbatch.redact import redact_text
 from llmbatch.rows import ERROR_COLUMN, PRIVATE_PREFIX, ROW_ID

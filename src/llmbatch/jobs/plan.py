@@ -22,15 +22,15 @@ import numpy as np
 
 from llmbatch.codec import digest64
 from llmbatch.config import EndpointProcessorConfig
-from llmbatch.engines.openai_api import estimate_tokens
 from llmbatch.errors import ConfigError
-from llmbatch.io.openai_batch import read_openai_batch
 from llmbatch.io.readers import READ_ERROR, read_rows
 from llmbatch.jobs.openai_batch import batch_options, is_openai_batch
 from llmbatch.jobs.prompts import check_prompt_fields, job_preprocess
 from llmbatch.jobs.run import run_job
 from llmbatch.jobs.spec import PROCESSOR_CONFIGS, JobSpec, load_job
 from llmbatch.models import load_tokenizer, model_max_len, resolve_model
+from llmbatch.openai.batch_file import read_openai_batch
+from llmbatch.openai.client import estimate_tokens
 from llmbatch.rows import DEFAULT_MAX_TOKENS, normalize_messages
 
 BLOCK = 16  # vLLM's default KV block size: the unit of prefix caching

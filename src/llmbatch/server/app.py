@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from pydantic import BaseModel
 
-from llmbatch.io.openai_requests import ENDPOINTS
+from llmbatch.openai.vocab import ENDPOINTS
 from llmbatch.server.db import Database
 from llmbatch.server.files import UploadError, file_object, new_id
 from llmbatch.server.gate import TENANT, Gate

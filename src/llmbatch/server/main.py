@@ -22,10 +22,10 @@ from typing import Any
 import uvicorn
 
 from llmbatch.errors import ConfigError
-from llmbatch.io.openai_batch import Options
-from llmbatch.io.openai_requests import ENDPOINTS
 from llmbatch.jobs.openai_batch import served_names
 from llmbatch.jobs.spec import apply_overrides, load_job
+from llmbatch.openai.batch_file import Options
+from llmbatch.openai.vocab import ENDPOINTS
 from llmbatch.server.app import create_app
 from llmbatch.server.db import Database
 from llmbatch.server.runner import BatchRunner

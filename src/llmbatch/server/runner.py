@@ -36,10 +36,10 @@ from typing import Any
 
 import yaml
 
-from llmbatch.io.openai_batch import MAX_LISTED, Options, validate_batch_file
 from llmbatch.jobs.openai_output import write_openai_output
 from llmbatch.jobs.spec import load_job
 from llmbatch.jobs.store import JobDir
+from llmbatch.openai.batch_file import MAX_LISTED, Options, validate_batch_file
 from llmbatch.redact import redact_text
 from llmbatch.server.counts import LineCounter
 from llmbatch.server.db import Database

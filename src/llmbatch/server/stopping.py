@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import IO
 
-from llmbatch.io.openai_lines import error_line
+from llmbatch.openai.responses import error_line
 
 
 def signal_group(proc: subprocess.Popen, sig: int) -> None:

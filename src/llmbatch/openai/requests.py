@@ -1,12 +1,16 @@
-"""One OpenAI request body -> the request fields of an llmbatch row.
+"""One OpenAI request body -> the request fields of an llmbatch row: one rule set for a batch
+file's lines, ``llmbatch serve``'s batches and the Ray Serve deployment's requests.
 
 ``/v1/chat/completions`` becomes ``messages`` + ``sampling_params``, ``/v1/completions``
 ``prompt`` + ``sampling_params``, ``/v1/embeddings`` ``prompt`` + ``pooling_params``. Every
 field OpenAI defines that maps to a vLLM setting is honoured; fields that change nothing in
 the answer (``user``, ``metadata``, ``store``...) are accepted and ignored; vLLM's own extra
 sampling fields (``top_k``, ``min_p``, ``repetition_penalty``...) pass through as vLLM's
-server takes them; anything else is an error that names the field. The same function
-validates a batch file before any inference and builds each row's request in the workers.
+server takes them (their types checked as every engine checks them), and its older ``guided_*``
+constraints join ``response_format`` in ``structured_outputs``; anything else is an error that
+names the field (why strict: :mod:`llmbatch.openai.vocab`). The same function validates a batch
+file before any inference, builds each row's request in the workers, and builds the row of a
+request the Serve deployment answers (:func:`rows_from_request`).
 """
 
 from __future__ import annotations
@@ -14,38 +18,20 @@ from __future__ import annotations
 from typing import Any
 
 from llmbatch.errors import RowValidationError, suggestion
+from llmbatch.openai.vocab import (
+    CHAT,
+    COMPLETIONS,
+    EMBEDDINGS,
+    ENDPOINTS,
+    FIELDS,
+    GUIDED,
+    NOT_SUPPORTED,
+    RANGES,
+    SERVE_METHODS,
+    VLLM_PARAMS,
+)
+from llmbatch.params import check_types
 from llmbatch.rows import OPENAI, normalize_messages
-
-CHAT, COMPLETIONS, EMBEDDINGS = "/v1/chat/completions", "/v1/completions", "/v1/embeddings"
-#: Endpoint -> the task_type of the model that serves it.
-ENDPOINTS = {CHAT: "generate", COMPLETIONS: "generate", EMBEDDINGS: "embed"}
-#: Scoring and rerank wait for the score task in the job layer.
-LATER_ENDPOINTS = ("/v1/score", "/v1/rerank", "/score", "/rerank", "/v1/responses")
-
-#: vLLM sampling fields vLLM's own OpenAI server accepts in a body, passed as they are.
-VLLM_EXTRAS = ("top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
-               "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output",
-               "truncate_prompt_tokens", "structured_outputs", "bad_words", "allowed_token_ids")
-#: Fields that change nothing in an answer (bookkeeping, delivery): accepted, ignored.
-IGNORED = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
-           "prompt_cache_retention", "parallel_tool_calls", "stream_options")
-_SAMPLING = ("temperature", "top_p", "n", "stop", "seed", "presence_penalty", "frequency_penalty", "logit_bias")
-CHAT_FIELDS = ("model", "messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs",
-               "response_format", "stream", "chat_template_kwargs", "tools", "tool_choice", "modalities") \
-    + _SAMPLING + VLLM_EXTRAS + IGNORED
-COMPLETION_FIELDS = ("model", "prompt", "max_tokens", "logprobs", "echo", "suffix", "best_of", "stream") \
-    + _SAMPLING + VLLM_EXTRAS + IGNORED
-EMBEDDING_FIELDS = ("model", "input", "encoding_format", "dimensions", "user")
-FIELDS = {CHAT: CHAT_FIELDS, COMPLETIONS: COMPLETION_FIELDS, EMBEDDINGS: EMBEDDING_FIELDS}
-#: Fields of OpenAI's API that llmbatch does not run (named in the error, never ignored).
-NOT_SUPPORTED = {
-    "functions": "function calling", "function_call": "function calling", "audio": "audio output",
-    "prediction": "predicted outputs", "reasoning_effort": "reasoning effort", "web_search_options": "web search",
-    "verbosity": "verbosity", "logprobs_start": None,
-}
-#: Sampling parameter bounds as OpenAI documents them.
-RANGES = {"temperature": (0, 2), "top_p": (0, 1), "presence_penalty": (-2, 2), "frequency_penalty": (-2, 2),
-          "n": (1, 128), "top_logprobs": (0, 20)}
 
 
 class RequestError(RowValidationError):
@@ -109,8 +95,12 @@ def _sampling(body: dict[str, Any]) -> dict[str, Any]:
         except (TypeError, ValueError):
             raise RequestError("'logit_bias' keys must be token ids and values numbers", "logit_bias",
                                "invalid_value") from None
-    for key in VLLM_EXTRAS:
+    for key in VLLM_PARAMS:
         if body.get(key) is not None:
+            try:
+                check_types({key: body[key]})  # as every engine checks them
+            except RowValidationError as exc:
+                raise RequestError(str(exc), key, "invalid_type") from None
             sp[key] = body[key]
     return sp
 
@@ -126,16 +116,30 @@ def _max_tokens(body: dict[str, Any], sp: dict[str, Any], *names: str) -> None:
         sp["max_tokens"] = value
 
 
-def _response_format(body: dict[str, Any], sp: dict[str, Any]) -> None:
+def _structured(body: dict[str, Any], sp: dict[str, Any]) -> None:
+    """``structured_outputs``, the ``guided_*`` fields and ``response_format``, as one spec."""
+    spec = body.get("structured_outputs")
+    if spec is not None and not isinstance(spec, dict):
+        raise RequestError("'structured_outputs' must be an object (e.g. {\"choice\": [...]})", "structured_outputs",
+                           "invalid_type")
+    spec = dict(spec or {})
+    for field, key in GUIDED.items():
+        if body.get(field) is not None:
+            spec[key] = body[field]
+    spec.update(_response_format(body))
+    if spec:
+        sp["structured_outputs"] = spec
+
+
+def _response_format(body: dict[str, Any]) -> dict[str, Any]:
     fmt = body.get("response_format")
     if fmt is None:
-        return
+        return {}
     kind = fmt.get("type") if isinstance(fmt, dict) else None
     if kind == "text":
-        return
+        return {}
     if kind == "json_object":
-        sp["structured_outputs"] = {"json_object": True}
-        return
+        return {"json_object": True}
     if kind == "json_schema":
         spec = fmt.get("json_schema")
         schema = spec.get("schema") if isinstance(spec, dict) else None
@@ -149,8 +153,7 @@ def _response_format(body: dict[str, Any], sp: dict[str, Any]) -> None:
         except jsonschema.SchemaError as exc:
             raise RequestError(f"response_format.json_schema.schema is not a valid JSON schema: {exc.message}",
                                "response_format", "invalid_value") from None
-        sp["structured_outputs"] = {"json": schema}
-        return
+        return {"json": schema}
     raise RequestError(f"response_format type {kind!r} is not supported; use text, json_object or json_schema",
                        "response_format", "invalid_value")
 
@@ -168,7 +171,7 @@ def _chat(body: dict[str, Any]) -> dict[str, Any]:
                            "unsupported_parameter")
     sp = _sampling(body)
     _max_tokens(body, sp, "max_completion_tokens", "max_tokens")
-    _response_format(body, sp)
+    _structured(body, sp)
     detail: dict[str, Any] = {"max_tokens_auto": "max_tokens" not in sp}
     logprobs = body.get("logprobs")
     if logprobs is not None and not isinstance(logprobs, bool):
@@ -217,6 +220,7 @@ def _completion(body: dict[str, Any], prompt: str) -> dict[str, Any]:
                            "unsupported_parameter")
     _max_tokens(body, sp, "max_tokens")
     sp.setdefault("max_tokens", 16)  # OpenAI's default for completions
+    _structured(body, sp)
     detail: dict[str, Any] = {}
     logprobs = body.get("logprobs")
     if logprobs is not None:
@@ -257,3 +261,28 @@ def translate(endpoint: str, body: Any, item: Any = None) -> dict[str, Any]:
     if item is None:
         item = prompts(endpoint, body)[0]
     return _completion(body, item) if endpoint == COMPLETIONS else _embedding(body, item)
+
+
+def rows_from_request(endpoint: str, request: Any) -> list[dict[str, Any]]:
+    """The rows of a request the Serve deployment answers (a dict, or a pydantic model such as
+    Ray Serve LLM's ``ChatCompletionRequest``: its fields set by the caller): one row, or one
+    per prompt of a completions request whose ``prompt`` is a list. The batch path's rules
+    (:func:`translate`); raises :class:`RequestError`."""
+    if hasattr(request, "model_dump"):
+        request = request.model_dump(exclude_unset=True)
+    if not isinstance(request, dict):
+        raise RequestError(f"the request must be a dict or a pydantic model, got {type(request).__name__}", "body",
+                           "invalid_body")
+    if endpoint not in SERVE_METHODS:
+        raise RequestError(f"unsupported url {endpoint!r}; use one of {', '.join(SERVE_METHODS)}", "url",
+                           "invalid_url")
+    body = {k: v for k, v in request.items() if v is not None}
+    return [translate(endpoint, body, item) for item in prompts(endpoint, body)]
+
+
+def row_from_request(endpoint: str, request: Any) -> dict[str, Any]:
+    """The one row of a request (:func:`rows_from_request`); a request that fans out is refused."""
+    rows = rows_from_request(endpoint, request)
+    if len(rows) != 1:
+        raise RequestError(f"the request holds {len(rows)} prompts; send one", "prompt", "invalid_value")
+    return rows[0]

@@ -1,12 +1,14 @@
-"""OpenAI-compatible requests and answers, both ways.
+"""llmbatch as an OpenAI client: rows -> requests to an OpenAI-compatible server, its answers ->
+rows (the HTTP engine and the Serve engine send rows this way).
 
 - :func:`request_body`: a row as llmbatch's other engines take it (``messages`` or ``prompt``,
   ``sampling_params`` with ``structured_outputs``) -> an OpenAI chat/completions request body.
   So one job file runs against the local engine or an endpoint.
 - :func:`answer_columns`: an OpenAI chat/completions response -> llmbatch's output columns
   (``generated_text``, ``finish_reason``, token usage...).
-- :func:`row_from_request` / :func:`response_body`: the other way round, for llmbatch's own
-  Ray Serve deployment, which answers OpenAI requests with the engine stage.
+
+The server side (requests -> rows, rows -> responses) is :mod:`llmbatch.openai.requests` and
+:mod:`llmbatch.openai.responses`.
 """
 
 from __future__ import annotations
@@ -15,12 +17,17 @@ import base64
 import io
 import json
 import math
-import time
-import uuid
 from typing import Any
 
-from llmbatch.engines.vllm_params import check_types, validate_structured
 from llmbatch.errors import InvalidResponseError, RowValidationError, suggestion
+from llmbatch.openai.vocab import (
+    CHAT,
+    COMPLETIONS,
+    GUIDED,
+    OPENAI_PARAMS,
+    VLLM_PARAMS,
+)
+from llmbatch.params import check_types, row_sampling_params, structured_spec
 from llmbatch.rows import (
     DEFAULT_MAX_TOKENS,
     SAMPLING_PARAM_NAMES,
@@ -28,29 +35,7 @@ from llmbatch.rows import (
     to_python,
 )
 
-CHAT, COMPLETIONS = "chat", "completions"
-#: Sampling params with the same name and meaning in OpenAI's API.
-OPENAI_PARAMS = ("temperature", "top_p", "max_tokens", "n", "stop", "seed", "presence_penalty", "frequency_penalty",
-                 "logit_bias")
-#: vLLM's own request fields: its OpenAI server takes them as they are (OpenAI itself refuses
-#: them, so they are sent only when a row asks for them).
-VLLM_PARAMS = ("top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
-               "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output",
-               "truncate_prompt_tokens", "bad_words", "allowed_token_ids", "prompt_logprobs", "thinking_token_budget",
-               "repetition_detection", "logprob_token_ids")
-#: Engine-side settings with no meaning for an endpoint.
-LOCAL_ONLY_PARAMS = ("detokenize", "output_text_buffer_length", "stream_interval", "flat_logprobs",
-                     "skip_reading_prefix_cache", "extra_args", "watermarking", "prompt_logprob_token_ids",
-                     "prompt_logprob_start")
-#: structured_outputs keys and where an endpoint takes them.
-STRUCTURED_KEYS = ("json", "json_object", "choice", "regex", "grammar", "structural_tag", "whitespace_pattern")
-#: How constraints are sent: "auto" (JSON schemas as OpenAI's response_format, choice/regex/
-#: grammar as vLLM's structured_outputs) or "guided" (vLLM before 0.11 and servers that copy it:
-#: guided_json, guided_choice, guided_regex, guided_grammar).
-STRUCTURED_FIELDS = ("auto", "guided")
-
-
-def endpoint_url(url: str, kind: str) -> str:
+def endpoint_url(url: str, endpoint: str) -> str:
     """The URL for a chat or completions request: ``url`` is the endpoint itself
     (``.../v1/chat/completions``, ``.../v1/completions``) or the API base (``.../v1``)."""
     base = url.rstrip("/")
@@ -58,27 +43,12 @@ def endpoint_url(url: str, kind: str) -> str:
         if base.endswith(suffix):
             base = base[: -len(suffix)]
             break
-    return f"{base}/chat/completions" if kind == CHAT else f"{base}/completions"
-
-
-def structured_spec(raw: Any) -> dict[str, Any] | None:
-    """A row's ``structured_outputs`` checked: its keys here, then its JSON schema, regex and
-    choices as every engine checks them (:func:`~llmbatch.engines.vllm_params.validate_structured`)."""
-    if raw is None:
-        return None
-    if not isinstance(raw, dict):
-        raise RowValidationError(f"structured_outputs must be a dict (e.g. {{'choice': [...]}}), got {type(raw).__name__}")
-    spec = {k: v for k, v in raw.items() if v not in (None, False) and k != "backend"}
-    for key in spec:
-        if key not in STRUCTURED_KEYS:
-            raise RowValidationError(f"unknown structured_outputs key '{key}'{suggestion(key, STRUCTURED_KEYS)}")
-    spec = validate_structured(spec)
-    return spec or None
+    return base + endpoint.removeprefix("/v1")
 
 
 def _constraint_fields(spec: dict[str, Any], fields: str) -> dict[str, Any]:
     if fields == "guided":
-        out = {f"guided_{k}": v for k, v in spec.items() if k in ("json", "choice", "regex", "grammar")}
+        out = {field: spec[key] for field, key in GUIDED.items() if key in spec}
         if spec.get("json_object"):
             out["response_format"] = {"type": "json_object"}
         return out
@@ -122,15 +92,10 @@ def _wire_messages(messages: Any) -> list[dict[str, Any]]:
 
 
 def request_body(row: dict[str, Any], model: str | None, fields: str = "auto") -> tuple[str, dict[str, Any], dict | None]:
-    """(kind, body, structured spec) for a row with ``messages`` (chat) or ``prompt``
+    """(endpoint, body, structured spec) for a row with ``messages`` (chat) or ``prompt``
     (completions) and ``sampling_params``; raises :class:`RowValidationError` naming the field."""
-    sp = to_python(row.get("sampling_params") or {})
-    if not isinstance(sp, dict):
-        raise RowValidationError(f"sampling_params must be a dict, got {type(sp).__name__}")
-    sp = {k: v for k, v in sp.items() if v is not None}
-    if "guided_decoding" in sp:
-        sp.setdefault("structured_outputs", sp.pop("guided_decoding"))
-    spec = structured_spec(sp.pop("structured_outputs", None))
+    sp, structured = row_sampling_params(to_python(row.get("sampling_params") or {}))
+    spec = structured_spec(structured)
     for key in sp:
         if key not in SAMPLING_PARAM_NAMES:
             raise RowValidationError(f"unknown sampling param '{key}'{suggestion(key, sorted(SAMPLING_PARAM_NAMES))}")
@@ -234,61 +199,3 @@ def answer_columns(kind: str, data: Any, prompt: str = "") -> dict[str, Any]:
     if logprobs is not None:
         out["logprobs"] = logprobs
     return out
-
-
-# ---------------------------------------------------------------------------- serving side
-
-#: OpenAI request fields that are sampling params of the same name.
-_REQUEST_PARAMS = tuple(p for p in OPENAI_PARAMS + VLLM_PARAMS if p in SAMPLING_PARAM_NAMES)
-
-
-def row_from_request(kind: str, request: Any) -> dict[str, Any]:
-    """An llmbatch row (``messages``/``prompt``, ``sampling_params``) from an OpenAI request
-    (a dict or a pydantic model such as Ray's ``ChatCompletionRequest``)."""
-    if hasattr(request, "model_dump"):
-        request = request.model_dump(exclude_unset=True)
-    if not isinstance(request, dict):
-        raise RowValidationError(f"the request must be a dict or a pydantic model, got {type(request).__name__}")
-    body = {k: v for k, v in request.items() if v is not None}
-    sp = {k: body[k] for k in _REQUEST_PARAMS if k in body}
-    if body.get("max_completion_tokens") is not None:
-        sp["max_tokens"] = body["max_completion_tokens"]
-    if kind == CHAT and body.get("logprobs"):
-        sp["logprobs"] = int(body.get("top_logprobs") or 0)
-    elif kind == COMPLETIONS and body.get("logprobs") is not None:
-        sp["logprobs"] = int(body["logprobs"])
-    spec = dict(body.get("structured_outputs") or {})
-    for key in ("json", "choice", "regex", "grammar"):
-        if body.get(f"guided_{key}") is not None:
-            spec[key] = body[f"guided_{key}"]
-    fmt = body.get("response_format") or {}
-    if fmt.get("type") == "json_schema":
-        spec["json"] = (fmt.get("json_schema") or {}).get("schema") or {}
-    elif fmt.get("type") == "json_object":
-        spec["json_object"] = True
-    if spec:
-        sp["structured_outputs"] = spec
-    row: dict[str, Any] = {"sampling_params": sp}
-    if kind == CHAT:
-        row["messages"] = body.get("messages")
-        if body.get("chat_template_kwargs"):
-            row["chat_template_kwargs"] = body["chat_template_kwargs"]
-    else:
-        prompt = body.get("prompt")
-        row["prompt"] = prompt[0] if isinstance(prompt, list) and len(prompt) == 1 else prompt
-    return row
-
-
-def response_body(kind: str, model: str, row: dict[str, Any]) -> dict[str, Any]:
-    """An OpenAI chat/completions response from an answered llmbatch row."""
-    choice: dict[str, Any] = {"index": 0, "finish_reason": row.get("finish_reason") or "stop", "logprobs": None}
-    if kind == CHAT:
-        choice["message"] = {"role": "assistant", "content": row.get("generated_text", "")}
-    else:
-        choice["text"] = row.get("generated_text", "")
-    prompt_tokens, completion_tokens = int(row.get("num_input_tokens") or 0), int(row.get("num_generated_tokens") or 0)
-    return {"id": f"{'chatcmpl' if kind == CHAT else 'cmpl'}-{uuid.uuid4().hex}",
-            "object": "chat.completion" if kind == CHAT else "text_completion", "created": int(time.time()),
-            "model": model, "choices": [choice],
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                      "total_tokens": prompt_tokens + completion_tokens}}

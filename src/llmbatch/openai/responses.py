@@ -1,4 +1,9 @@
-"""Answered rows -> OpenAI Batch output lines, in OpenAI's exact shape.
+"""Answered rows -> OpenAI response objects and Batch output lines, in OpenAI's exact shape.
+
+One builder (:func:`response_body`) makes the ``chat.completion``, ``text_completion`` or
+embeddings ``list`` object from a request's answered rows: every one of ``n`` choices with its
+finish and stop reason and logprobs, and the usage. A batch's output line wraps it
+(:func:`output_line`); the Ray Serve deployment returns it as it is (:func:`response_object`).
 
 An output line is ``{"id", "custom_id", "response": {"status_code", "request_id", "body"},
 "error": null}`` with a complete ``chat.completion``, ``text_completion`` or embeddings
@@ -6,8 +11,9 @@ An output line is ``{"id", "custom_id", "response": {"status_code", "request_id"
 ``vllm run-batch`` and one written here carry the same fields); a failed request is
 ``{"id", "custom_id", "response": null, "error": {"code", "message", "line"}}``.
 
-Ids are stable: the same job writes the same ids for the same lines, however often its output
-is written again (``resume``, a cancelled batch finished later).
+Ids in a batch's output are stable: the same job writes the same ids for the same lines, however
+often its output is written again (``resume``, a cancelled batch finished later); a response of
+the Serve deployment gets a fresh id, as a server's does.
 """
 
 from __future__ import annotations
@@ -15,10 +21,12 @@ from __future__ import annotations
 import base64
 import hashlib
 import struct
+import time
+import uuid
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
-from llmbatch.io.openai_requests import CHAT, COMPLETIONS, EMBEDDINGS
+from llmbatch.openai.vocab import CHAT, COMPLETIONS, EMBEDDINGS, LINE_ID, OBJECTS, REQUEST_ID
 from llmbatch.rows import STATS, parse_error
 
 try:
@@ -48,7 +56,7 @@ def error_code(error_text: str) -> tuple[str, str]:
 
 
 def error_line(job_key: str, custom_id: Any, line: Any, code: str, message: str) -> dict[str, Any]:
-    return {"id": stable_id("batch_req_", job_key, line), "custom_id": custom_id, "response": None,
+    return {"id": stable_id(LINE_ID, job_key, line), "custom_id": custom_id, "response": None,
             "error": {"code": code, "message": message, "line": line}}
 
 
@@ -122,9 +130,10 @@ def _completions(row: dict[str, Any]) -> list[dict[str, Any]]:
              "stop_reason": None, "logprobs": None, "token_ids": []}]
 
 
-def response_body(rows: list[dict[str, Any]], url: str, model: str, job_key: str, line: Any) -> dict[str, Any]:
+def response_body(rows: list[dict[str, Any]], url: str, model: str, response_id: str) -> dict[str, Any]:
     """The body of one request's answer (``rows``: its rows in ``sub`` order)."""
     created = int(max(((r.get(STATS) or {}).get("finished_at") or 0) for r in rows)) or None
+    kind, _ = OBJECTS[url]
     if url == EMBEDDINGS:
         data = []
         for index, row in enumerate(rows):
@@ -132,7 +141,7 @@ def response_body(rows: list[dict[str, Any]], url: str, model: str, job_key: str
             if row.get("encoding_format") == "base64":
                 vector = base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
             data.append({"index": index, "object": "embedding", "embedding": vector})
-        return {"id": stable_id("embd-", job_key, line), "object": "list", "created": created, "model": model,
+        return {"id": response_id, "object": kind, "created": created, "model": model,
                 "data": data, "usage": _usage(rows, completion=False)}
     choices = []
     for row in rows:
@@ -153,8 +162,7 @@ def response_body(rows: list[dict[str, Any]], url: str, model: str, job_key: str
             else:
                 choice.update(prompt_logprobs=None, prompt_token_ids=None)
             choices.append(choice)
-    body = {"id": stable_id("chatcmpl-" if url == CHAT else "cmpl-", job_key, line),
-            "object": "chat.completion" if url == CHAT else "text_completion", "created": created, "model": model,
+    body = {"id": response_id, "object": kind, "created": created, "model": model,
             "choices": choices, "service_tier": None, "system_fingerprint": FINGERPRINT,
             "usage": _usage(rows, completion=True)}
     if url == CHAT:
@@ -168,7 +176,15 @@ def output_line(rows: list[dict[str, Any]], default_model: str, job_key: str) ->
     first = rows[0]
     line = first.get("line")
     url = first.get("url") or (COMPLETIONS if first.get("completions") else CHAT)
-    body = response_body(rows, url, first.get("model") or default_model, job_key, line)
-    return {"id": stable_id("batch_req_", job_key, line), "custom_id": first.get("custom_id"),
-            "response": {"status_code": 200, "request_id": stable_id("req_", job_key, line), "body": body},
+    body = response_body(rows, url, first.get("model") or default_model, stable_id(OBJECTS[url][1], job_key, line))
+    return {"id": stable_id(LINE_ID, job_key, line), "custom_id": first.get("custom_id"),
+            "response": {"status_code": 200, "request_id": stable_id(REQUEST_ID, job_key, line), "body": body},
             "error": None}
+
+
+def response_object(endpoint: str, model: str, *rows: dict[str, Any]) -> dict[str, Any]:
+    """The response a server sends for one request's answered ``rows`` (a fresh id; created now
+    unless the rows say when they finished)."""
+    body = response_body(list(rows), endpoint, model, f"{OBJECTS[endpoint][1]}{uuid.uuid4().hex}")
+    body["created"] = body["created"] or int(time.time())
+    return body

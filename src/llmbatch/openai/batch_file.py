@@ -6,7 +6,7 @@
 
 Each line is checked before any inference: JSON, a ``custom_id`` (a string, unique in the
 file), ``method`` POST, a ``url`` llmbatch serves (the batch's endpoint, when one is given), a
-body that endpoint accepts (:mod:`llmbatch.io.openai_requests`) and a ``model`` that names the
+body that endpoint accepts (:mod:`llmbatch.openai.requests`) and a ``model`` that names the
 served model. :func:`validate_batch_file` lists every problem with its line number;
 :func:`read_openai_batch` yields the rows a job runs, a bad line as a row whose read error
 carries its OpenAI error code (``read: <code>: line N: ...``).
@@ -23,9 +23,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llmbatch.errors import ConfigError
-from llmbatch.io.openai_requests import COMPLETIONS, ENDPOINTS, LATER_ENDPOINTS, RequestError, prompts, translate
 from llmbatch.io.json_records import json_line
 from llmbatch.io.readers import DEFAULT_BATCH_ROWS, Record, batched, open_input
+from llmbatch.openai.requests import RequestError, prompts, translate
+from llmbatch.openai.vocab import COMPLETIONS, ENDPOINTS, LATER_ENDPOINTS
 
 FORMAT = "openai-batch"
 #: Problems listed in full in a failed batch's ``errors`` (and the CLI's message); the rest counted.
