@@ -20,8 +20,8 @@ from llmbatch.codec import rows_to_table
 from llmbatch.errors import JobError
 from llmbatch.jobs.identity import result_fields
 from llmbatch.jobs.ingest import input_rows
-from llmbatch.jobs.output import CRASH_ENV
 from llmbatch.jobs.kinds import job_for
+from llmbatch.jobs.output import CRASH_ENV
 from llmbatch.jobs.run import open_job, read_input, run_job
 from llmbatch.jobs.spec import load_job
 from llmbatch.jobs.status import job_status
