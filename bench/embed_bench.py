@@ -90,9 +90,12 @@ def run_llmbatch(data: list[str], model: str, args, out: Path) -> dict:
     ray.data.DataContext.get_current().enable_progress_bars = False
     config = vLLMEngineProcessorConfig(model_source=model, task_type="embed", engine_kwargs=engine_kwargs(args),
                                        batch_size=args.batch_size)
-    from llmbatch.builders import build_internal_processor
+    from llmbatch.builders import build_layout
+    from llmbatch.processor import Processor
+    from llmbatch.stages.output import OutputStage
 
-    processor = build_internal_processor(config, preprocess=lambda r: {"prompt": r["text"]}, keep_private=(STATS,))
+    processor = Processor(config, build_layout(config, preprocess=lambda r: {"prompt": r["text"]},
+                                               output=OutputStage(keep_private=(STATS,))))
     ds = ray.data.from_items([{"id": i, "text": t} for i, t in enumerate(data)])
     folder = out.with_suffix(".d")
     processor(ds).write_parquet(str(folder))

@@ -116,8 +116,10 @@ def run_llmbatch(args, out: Path, pool: int | None = None) -> dict:
     import ray
 
     from llmbatch import vLLMEngineProcessorConfig
-    from llmbatch.builders import build_internal_processor
+    from llmbatch.builders import build_layout
+    from llmbatch.processor import Processor
     from llmbatch.rows import STATS
+    from llmbatch.stages.output import OutputStage
 
     ray.init(include_dashboard=False, logging_level="WARNING")
     ray_ready = time.time()
@@ -129,12 +131,12 @@ def run_llmbatch(args, out: Path, pool: int | None = None) -> dict:
                                        batch_size=args.batch_size, should_continue_on_error=True,
                                        prepare_multimodal_stage=mm)
     size, params = args.resize, sampling(args)
-    processor = build_internal_processor(
+    processor = Processor(config, build_layout(
         config, preprocess=lambda r: {"messages": conversation(decode_resize(r["image"], size)), "sampling_params": params},
         preprocess_map_kwargs={"concurrency": (1, pool)} if pool else None,
         postprocess=lambda r: {"id": r["id"], "caption": r["generated_text"], "n_out": r["num_generated_tokens"],
                                "n_in": r["num_input_tokens"]},
-        keep_private=(STATS,))
+        output=OutputStage(keep_private=(STATS,))))
     folder = out.with_suffix(".d")
     execute_at = time.time()  # the processor built; Ray Data plans, reads and starts the replica from here
     processor(ray.data.read_parquet(args.data)).write_parquet(str(folder))

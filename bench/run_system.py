@@ -101,10 +101,13 @@ def run_llmbatch(rows, model_path, args) -> dict:
     config = vLLMEngineProcessorConfig(model_source=model_path, engine_kwargs=engine_kwargs(args),
                                        batch_size=args.batch_size, concurrency=args.concurrency,
                                        dedup_requests=not args.no_dedup, sort_by_prefix=not args.no_sort)
-    from llmbatch.builders import build_internal_processor
+    from llmbatch.builders import build_layout
+    from llmbatch.processor import Processor
+    from llmbatch.stages.output import OutputStage
     from llmbatch.rows import STATS
 
-    result = _collect(build_internal_processor(config, keep_private=(STATS,))(ray.data.from_items(rows)), args.out_parquet)
+    processor = Processor(config, build_layout(config, output=OutputStage(keep_private=(STATS,))))
+    result = _collect(processor(ray.data.from_items(rows)), args.out_parquet)
     ray.shutdown()
     return result
 

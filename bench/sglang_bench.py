@@ -101,9 +101,11 @@ def run_llmbatch(rows, args, writer, engine: str) -> dict:
     else:
         config = vLLMEngineProcessorConfig(model_source=args.model, engine_kwargs=engine_kwargs(args, "vllm"),
                                            batch_size=args.batch_size, concurrency=1, **extra)
-    from llmbatch.builders import build_internal_processor
+    from llmbatch.builders import build_layout
+    from llmbatch.processor import Processor
+    from llmbatch.stages.output import OutputStage
 
-    ds = build_internal_processor(config, keep_private=(STATS,))(ray.data.from_items(rows))
+    ds = Processor(config, build_layout(config, output=OutputStage(keep_private=(STATS,))))(ray.data.from_items(rows))
     n = tokens = 0
     starts = []
     errors = []

@@ -30,6 +30,11 @@ os.environ.setdefault("LLMBATCH_CPU_KV_CACHE_BYTES", str(256 << 20))
 # of starting one (the drivers that tests start inherit this too). Tests of an engine's own
 # start, death or processes set keep_warm_s=0.
 os.environ.setdefault("LLMBATCH_KEEP_WARM_S", "1800")
+# a worker goes back to a setting after files of other settings (the suite's usual engine after the
+# tasks' pooling models, the VLMs, the LoRA engines): six idle engines of other settings stay loaded
+# (llmbatch's default is three); memory still rules (stages/warm.py: none stays where the machine
+# has less than 35% of its memory available)
+os.environ.setdefault("LLMBATCH_WARM_IDLE_OTHERS", "6")
 
 REPO = Path(__file__).resolve().parents[1]
 

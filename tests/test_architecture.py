@@ -14,7 +14,7 @@ LAYERS = [
     ["errors", "rows", "redact", "codec", "startlog"],
     ["io", "models", "toy_models", "engines", "progress", "reaper", "sample_data", "sample_images", "sample_audio",
      "install_check", "cluster", "watchdog", "terminal", "report", "model_names"],
-    ["config", "stages"],
+    ["config", "resume", "validation", "stages"],
     ["processor", "builders", "deployments"],
     ["jobs", "demo"],
     ["cli", "server", "__init__", "__main__"],
@@ -24,7 +24,8 @@ LONG_MODULES = {"config": "every user-facing setting with its documentation, on 
 #: llmbatch imports allowed inside a function, and why: (importing module, imported module).
 LAZY_IMPORTS = {("cli.serve", "server.main"): "FastAPI & co. (the serve extra) load only when `llmbatch serve` runs",
                 ("cli.serve", "server.settings"): "imported beside server.main, when `llmbatch serve` runs"}
-MAX_LINES = 350
+#: A cap per concept, not a size to split by: a module owns one thing, and one thing fits in this.
+MAX_LINES = 400
 
 
 def modules() -> dict[str, Path]:
@@ -123,7 +124,9 @@ def test_no_llmbatch_module_is_imported_by_name():
 @pytest.mark.parametrize("name,path", sorted(modules().items()))
 def test_modules_stay_small(name, path):
     lines = len(path.read_text().splitlines())
-    assert lines <= MAX_LINES or name in LONG_MODULES, f"{name} has {lines} lines; split it by what it owns"
+    assert lines <= MAX_LINES or name in LONG_MODULES, (
+        f"{name} has {lines} lines, over the cap per concept ({MAX_LINES}): it owns more than one thing; "
+        "split it by what it owns, not by size")
 
 
 def test_the_architecture_page_names_every_top_level_module():

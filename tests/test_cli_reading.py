@@ -42,6 +42,22 @@ def test_switches_read_as_switches_and_every_option_is_documented():
     assert "Start over" in line and "<" not in line.split("Start over")[0], line
 
 
+def test_a_flag_that_sets_a_config_field_shows_that_fields_documentation():
+    """One text for both (vLLM derives its CLI help from its config): a field documented anew
+    changes the flag's help with it."""
+    from llmbatch.config import ProcessorConfig
+    from llmbatch.jobs.spec import InputSpec, JobSpec, OutputSpec, PromptSpec
+
+    run = next(cmd for path, cmd in _commands() if path == ["run"])
+    helps = {p.opts[0]: p.help for p in run.params}
+    for flag, config, field in (("--limit", InputSpec, "limit"), ("--id-column", InputSpec, "id_column"),
+                                ("--invalid-lines", InputSpec, "invalid_lines"), ("--errors", OutputSpec, "errors_path"),
+                                ("--system", PromptSpec, "system"), ("--task", JobSpec, "task"),
+                                ("--job-dir", JobSpec, "job_dir"), ("--concurrency", ProcessorConfig, "concurrency")):
+        assert helps[flag] == config.field_docs()[field], flag
+    assert helps["--choices"].startswith(PromptSpec.field_docs()["choices"])
+
+
 def test_models_list_fits_80_columns_and_never_cuts_a_name():
     out = CliRunner().invoke(app, ["models", "list"], env={"COLUMNS": "80"}).stdout
     assert max(len(ln) for ln in out.splitlines()) <= 80, out

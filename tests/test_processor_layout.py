@@ -54,3 +54,29 @@ def test_gpu_replicas_ask_for_tp_x_pp_gpus():
                                        engine_kwargs={"tensor_parallel_size": 2, "pipeline_parallel_size": 2})
     op = build_processor(config, preprocess=lambda r: r).operators({"CPU": 64.0, "GPU": 8.0})[-1]
     assert op.remote_args["num_gpus"] == 4 and op.remote_args["accelerator_type"] == "H100"
+
+
+def test_the_output_stage_runs_last_in_the_last_operator_and_nothing_else_carries_job_flags():
+    """The job layer's output shape (private keys kept, rows left encoded) is its own output
+    stage, passed to build_layout: the layout, the runner and the builders know no such flags."""
+    import dataclasses
+    import inspect
+
+    from llmbatch.builders import build_layout
+    from llmbatch.processor import Layout, Processor
+    from llmbatch.stages.output import OutputStage
+    from llmbatch.stages.runner import StageRunner
+
+    config = vLLMEngineProcessorConfig(model_source=MODEL, fuse_stages=False)
+    job = Processor(config, build_layout(config, preprocess=lambda r: r,
+                                         output=OutputStage(keep_private=("__llmbatch_id",), encoded=True)))
+    ops = job.operators()
+    assert names(ops) == ["prepare:preprocess+chat_template+tokenize", "engine", "finish:detokenize"]
+    assert ops[-1].stages[-1] is job.layout.output and job.layout.output.encoded
+    assert not any(isinstance(s, OutputStage) for op in ops[:-1] for s in op.stages)
+    assert job.layout.output.keep_private == ("__llmbatch_id",) and not job.layout.output.postprocessed
+    user = build_processor(config, postprocess=lambda r: r)
+    assert not user.layout.output.encoded and user.layout.output.postprocessed
+    flags = {"keep_private", "encoded_output", "sink"}
+    assert not flags & {f.name for f in dataclasses.fields(Layout)}
+    assert not flags & set(inspect.signature(StageRunner).parameters)

@@ -39,7 +39,8 @@ def test_import_is_light():
 
 def test_build_processor_has_rays_signature():
     """``build_processor`` is Ray 2.60's, parameter for parameter: the job layer's knobs
-    (``keep_private``, ``encoded_output``) go through ``builders.build_internal_processor``."""
+    (which private keys the output keeps, rows left encoded) are its output stage, passed to
+    ``builders.build_layout``."""
     import inspect
 
     from ray.data import llm as ray_llm

@@ -5,7 +5,7 @@ the config's type and resolves the config once into a typed
 :class:`~llmbatch.processor.Layout` (stages, pools, resources). Building has no side effects:
 no ``ray.init``, no downloads, nothing global. A config that no builder can run fails here,
 before any work. ``build_processor`` has Ray's signature exactly; llmbatch's own callers (the
-job driver, ``verify``) use :func:`build_internal_processor`, which adds the job layer's knobs.
+job driver, ``verify``) use :func:`build_layout` with their own output stage last.
 """
 
 from __future__ import annotations
@@ -26,29 +26,29 @@ from llmbatch.config import (
 from llmbatch.engines.http import HttpEngine
 from llmbatch.engines.serve import REPLICA_ATTEMPTS, ServeEngine
 from llmbatch.engines.sglang import SGLangEngine, check_sglang_build
-from llmbatch.engines import vllm_procs
+from llmbatch.engines.settings import EngineKwargs, HttpSettings, ServeSettings, SGLangSettings, VLLMSettings
 from llmbatch.engines.vllm import VLLMEngine
 from llmbatch.engines.vllm_chat import VllmChat
 from llmbatch.errors import ConfigError
 from llmbatch.processor import Layout, Processor, StageSpec
 from llmbatch.redact import Secret, is_secret_key
-from llmbatch.stages.base import Stage
 from llmbatch.stages.chat_template import ChatTemplateStage
 from llmbatch.stages.detokenize import DetokenizeStage
 from llmbatch.stages.engine import EngineStage
 from llmbatch.stages.multimodal import MediaPolicy, PrepareMultimodalStage
+from llmbatch.stages.output import OutputStage
 from llmbatch.stages.tokenize import TokenizeStage
 from llmbatch.stages.warm import WarmEngineStage
 from llmbatch.stages.user_fns import PostprocessStage, PreprocessStage
 
 UserFn = Callable[[dict[str, Any]], dict[str, Any]]
 
-Builder = Callable[..., Processor]
+Builder = Callable[..., Layout]
 _REGISTRY: dict[type, Builder] = {}
 
 
 def register(config_type: type) -> Callable[[Builder], Builder]:
-    """Register the builder of processors for ``config_type``."""
+    """Register the builder of layouts for ``config_type``."""
 
     def deco(fn: Builder) -> Builder:
         _REGISTRY[config_type] = fn
@@ -78,69 +78,68 @@ def build_processor(config: ProcessorConfig, preprocess: UserFn | None = None, p
     ``sampling_params``...); ``postprocess(row) -> dict`` returns the output row;
     ``builder_kwargs`` go to the config's builder (e.g. ``chat_template_kwargs``).
     """
-    return build_internal_processor(config, preprocess, postprocess, preprocess_map_kwargs=preprocess_map_kwargs,
-                                    postprocess_map_kwargs=postprocess_map_kwargs, **(builder_kwargs or {}))
+    return Processor(config, build_layout(config, preprocess, postprocess, preprocess_map_kwargs=preprocess_map_kwargs,
+                                          postprocess_map_kwargs=postprocess_map_kwargs, **(builder_kwargs or {})))
 
 
-def build_internal_processor(config: ProcessorConfig, preprocess: UserFn | None = None,
-                             postprocess: UserFn | None = None, *, keep_private: tuple[str, ...] = (),
-                             encoded_output: bool = False, **builder_kwargs: Any) -> Processor:
-    """:func:`build_processor` with the knobs only llmbatch's own callers use (not Ray's API):
-    ``keep_private``, private row keys the output keeps (the job layer's row ids, per-row
-    engine facts); ``encoded_output``, output rows left encoded for the job driver to commit.
-    ``builder_kwargs`` go to the config's builder (``preprocess_map_kwargs``, ...)."""
-    builder = builder_for(config)
-    return builder(config, preprocess=preprocess, postprocess=postprocess, keep_private=keep_private,
-                   encoded_output=encoded_output, **builder_kwargs)
+def build_layout(config: ProcessorConfig, preprocess: UserFn | None = None, postprocess: UserFn | None = None, *,
+                 output: OutputStage | None = None, **builder_kwargs: Any) -> Layout:
+    """The :class:`Layout` the config's builder resolves, ``output`` last: the stage that shapes
+    the output rows (default: the public API's typed columns; the job layer's keeps its private
+    keys and leaves the rows encoded for its driver). ``builder_kwargs`` go to the config's
+    builder (``preprocess_map_kwargs``, ``chat_template_kwargs``...)."""
+    layout = builder_for(config)(config, preprocess=preprocess, postprocess=postprocess, **builder_kwargs)
+    layout.output = (output or OutputStage()).bind(task_type=layout.task_type,
+                                                   continue_on_error=layout.continue_on_error,
+                                                   postprocessed=postprocess is not None)
+    return layout
 
 
 build_llm_processor = build_processor
 
 
 @register(vLLMEngineProcessorConfig)
-def build_vllm_processor(config: vLLMEngineProcessorConfig, **kwargs: Any) -> Processor:
-    """The vLLM processor: [preprocess] -> [multimodal] -> chat template -> tokenize -> vLLM ->
+def build_vllm_layout(config: vLLMEngineProcessorConfig, **kwargs: Any) -> Layout:
+    """The vLLM layout: [preprocess] -> [multimodal] -> chat template -> tokenize -> vLLM ->
     detokenize -> [postprocess]."""
-    engine_kwargs = dict(config.engine_kwargs)
+    engine_kwargs = EngineKwargs(config.engine_kwargs)
     remote_fn = None
     if config.placement_group_config:
         remote_fn = _placement_group_fn(config)
         # the replica's workers live in its placement group: vLLM places them through Ray
         engine_kwargs.setdefault("distributed_executor_backend", "ray")
-    lo, hi = config.concurrency_range()
-    engine = VLLMEngine(config.model_source, engine_kwargs, config.task_type, config.dynamic_lora_loading_path,
-                        replicas_per_node=hi,
-                        detokenize_after=config.detokenize_stage.enabled and config.task_type == "generate",
-                        log_metrics=config.log_engine_metrics)
+    settings = VLLMSettings(model_source=config.model_source, engine_kwargs=engine_kwargs, task_type=config.task_type,
+                            dynamic_lora_loading_path=config.dynamic_lora_loading_path, concurrency=config.concurrency,
+                            detokenize_stage=config.detokenize_stage.enabled,
+                            log_engine_metrics=config.log_engine_metrics)
     keep_warm_s = config.resolved_keep_warm_s()
-    if keep_warm_s and (remote_fn is not None or not vllm_procs.single_process(engine_kwargs)):
+    if keep_warm_s and (remote_fn is not None or not engine_kwargs.single_process()):
         keep_warm_s = 0.0  # a warm host serves engines of one device only (stages/warm.py)
-    return _engine_processor(config, engine, max_model_len=config.engine_kwargs.get("max_model_len"),
-                             remote_fn=remote_fn, keep_warm_s=keep_warm_s,
-                             lora_base_rows_apart=config.lora_base_rows_apart, **kwargs)
+    return _engine_layout(config, VLLMEngine(settings), remote_fn=remote_fn, keep_warm_s=keep_warm_s,
+                          lora_base_rows_apart=config.lora_base_rows_apart, **kwargs)
 
 
 @register(SGLangEngineProcessorConfig)
-def build_sglang_processor(config: SGLangEngineProcessorConfig, **kwargs: Any) -> Processor:
-    """The SGLang processor (GPU only): [preprocess] -> chat template -> tokenize -> SGLang ->
+def build_sglang_layout(config: SGLangEngineProcessorConfig, **kwargs: Any) -> Layout:
+    """The SGLang layout (GPU only): [preprocess] -> chat template -> tokenize -> SGLang ->
     [detokenize, where the engine left text out] -> [postprocess]."""
     if config.prepare_multimodal_stage.enabled:
         raise ConfigError("SGLangEngineProcessorConfig: prepare_multimodal_stage is not supported with SGLang by "
                           "this llmbatch version; use vLLMEngineProcessorConfig for images, video and audio")
-    engine = SGLangEngine(config.model_source, config.engine_kwargs, config.task_type)
-    return _engine_processor(config, engine, max_model_len=config.engine_kwargs.get("context_length"),
-                             needs_gpu=True, **kwargs)
+    engine = SGLangEngine(SGLangSettings(model_source=config.model_source, engine_kwargs=config.engine_kwargs,
+                                         task_type=config.task_type))
+    return _engine_layout(config, engine, needs_gpu=True, **kwargs)
 
 
-def _engine_processor(config: OfflineProcessorConfig, engine: Any, *, max_model_len: Any, remote_fn=None,
-                      needs_gpu: bool = False, keep_warm_s: float = 0.0,
-                      lora_base_rows_apart: bool | None = None, preprocess: UserFn | None = None, postprocess: UserFn | None = None,
-                      preprocess_map_kwargs: dict[str, Any] | None = None,
-                      postprocess_map_kwargs: dict[str, Any] | None = None,
-                      chat_template_kwargs: dict[str, Any] | None = None,
-                      keep_private: tuple[str, ...] = (), encoded_output: bool = False) -> Processor:
-    """An engine's processor: the CPU stages around ``engine``, laid out for the config."""
-    trust = bool(config.engine_kwargs.get("trust_remote_code", False))
+def _engine_layout(config: OfflineProcessorConfig, engine: Any, *, remote_fn=None, needs_gpu: bool = False,
+                   keep_warm_s: float = 0.0, lora_base_rows_apart: bool | None = None,
+                   preprocess: UserFn | None = None, postprocess: UserFn | None = None,
+                   preprocess_map_kwargs: dict[str, Any] | None = None,
+                   postprocess_map_kwargs: dict[str, Any] | None = None,
+                   chat_template_kwargs: dict[str, Any] | None = None) -> Layout:
+    """An engine's layout: the CPU stages around ``engine``, laid out for the config."""
+    engine_kwargs = EngineKwargs(config.engine_kwargs)
+    trust = engine_kwargs.trust_remote_code
     generate = config.task_type == "generate"
     pre: list[StageSpec] = []
     if preprocess is not None:
@@ -150,8 +149,8 @@ def _engine_processor(config: OfflineProcessorConfig, engine: Any, *, max_model_
     vllm_chat = None
     if mm.enabled:
         policy = MediaPolicy.for_access(
-            mm.media_access, allowed_local_media_path=config.engine_kwargs.get("allowed_local_media_path"),
-            allowed_media_domains=config.engine_kwargs.get("allowed_media_domains"), max_bytes=mm.max_item_bytes,
+            mm.media_access, allowed_local_media_path=engine_kwargs.allowed_local_media_path,
+            allowed_media_domains=engine_kwargs.allowed_media_domains, max_bytes=mm.max_item_bytes,
             timeout_s=mm.fetch_timeout_s, retries=mm.fetch_retries)
         vllm_chat = VllmChat(mm.model_source or config.model_source, config.engine_kwargs, mm.model_config_kwargs,
                              mm.chat_template_content_format, ct.chat_template if ct.enabled else None,
@@ -163,14 +162,13 @@ def _engine_processor(config: OfflineProcessorConfig, engine: Any, *, max_model_
                                                trust, vllm_chat=vllm_chat), ct))
     tk = config.tokenize_stage
     if tk.enabled:
-        pre.append(StageSpec(TokenizeStage(tk.model_source or config.model_source,
-                                           int(max_model_len) if max_model_len is not None else None, trust,
-                                           task=config.task_type), tk))
+        pre.append(StageSpec(TokenizeStage(tk.model_source or config.model_source, engine_kwargs, trust,
+                                           task=config.task_type, engine_model=config.model_source), tk))
     lo, hi = config.concurrency_range()
     engine = EngineStage(
         engine,
         max_pending_requests=config.max_pending_requests,
-        dedup=config.dedup_requests,
+        dedup_requests=config.dedup_requests,
         sort_by_prefix=config.sort_by_prefix,
         flush_rows=max(1, min(64, config.batch_size // 4)),
         structured_output_errors=config.resolved_structured_output_errors(),
@@ -184,29 +182,24 @@ def _engine_processor(config: OfflineProcessorConfig, engine: Any, *, max_model_
         post.append(StageSpec(DetokenizeStage(dt.model_source or config.model_source, trust), dt))
     if postprocess is not None:
         post.append(StageSpec(PostprocessStage(postprocess), None, postprocess_map_kwargs))
-    if not post:
-        post.append(StageSpec(_Passthrough(), None))
-    layout = Layout(
+    return Layout(
         pre=pre, engine=engine, post=post, batch_size=config.batch_size, concurrency=(lo, hi),
         task_type=config.task_type, continue_on_error=config.should_continue_on_error, fuse=config.fuse_stages,
         devices_per_replica=config.devices_per_replica(), accelerator_type=config.accelerator_type,
         runtime_env=config.runtime_env, max_concurrent_batches=config.resolved_max_concurrent_batches(),
         max_tasks_in_flight=config.max_tasks_in_flight_per_actor, engine_remote_args_fn=remote_fn,
-        stall_timeout_s=config.stall_timeout_s, keep_private=keep_private, encoded_output=encoded_output,
-        needs_gpu=needs_gpu)
-    return Processor(config, layout)
+        stall_timeout_s=config.stall_timeout_s, needs_gpu=needs_gpu)
 
 
 def _endpoint_layout(config: EndpointProcessorConfig, engine: Any, *, preprocess: UserFn | None,
                      postprocess: UserFn | None, preprocess_map_kwargs: dict[str, Any] | None,
-                     postprocess_map_kwargs: dict[str, Any] | None, keep_private: tuple[str, ...],
-                     encoded_output: bool, stage: Any = None, max_attempts: int = 3) -> Layout:
+                     postprocess_map_kwargs: dict[str, Any] | None, stage: Any = None,
+                     max_attempts: int = 3) -> Layout:
     """[preprocess] -> endpoint -> [postprocess]: no chat template, tokenizer or GPU here."""
     pre = [StageSpec(PreprocessStage(preprocess), None, preprocess_map_kwargs)] if preprocess is not None else []
     post = [StageSpec(PostprocessStage(postprocess), None, postprocess_map_kwargs)] if postprocess is not None else []
-    if not post:
-        post.append(StageSpec(_Passthrough(), None))
-    stage_engine = EngineStage(engine, max_pending_requests=config.max_concurrent_requests, dedup=config.dedup_requests,
+    stage_engine = EngineStage(engine, max_pending_requests=config.max_concurrent_requests,
+                               dedup_requests=config.dedup_requests,
                                sort_by_prefix=False, flush_rows=max(1, min(64, config.batch_size // 4)),
                                structured_output_errors=config.resolved_structured_output_errors(),
                                max_attempts=max_attempts)
@@ -222,7 +215,7 @@ def _endpoint_layout(config: EndpointProcessorConfig, engine: Any, *, preprocess
         continue_on_error=config.should_continue_on_error, devices_per_replica=0,
         accelerator_type=config.accelerator_type, runtime_env=getattr(stage, "runtime_env", None),
         max_concurrent_batches=config.resolved_max_concurrent_batches(), stall_timeout_s=config.stall_timeout_s,
-        keep_private=keep_private, encoded_output=encoded_output, engine_resources=resources)
+        engine_resources=resources)
 
 
 def endpoint_headers(config: HttpRequestProcessorConfig) -> dict[str, Any]:
@@ -239,47 +232,35 @@ def endpoint_headers(config: HttpRequestProcessorConfig) -> dict[str, Any]:
 
 
 @register(HttpRequestProcessorConfig)
-def build_http_processor(config: HttpRequestProcessorConfig, *, preprocess: UserFn | None = None,
+def build_http_layout(config: HttpRequestProcessorConfig, *, preprocess: UserFn | None = None,
                          postprocess: UserFn | None = None, preprocess_map_kwargs: dict[str, Any] | None = None,
-                         postprocess_map_kwargs: dict[str, Any] | None = None, keep_private: tuple[str, ...] = (),
-                         encoded_output: bool = False) -> Processor:
-    """The HTTP processor: [preprocess] -> OpenAI-compatible endpoint -> [postprocess]."""
-    engine = HttpEngine(config.url, endpoint_headers(config), model=config.model, qps=config.qps,
-                        tokens_per_minute=config.tokens_per_minute, max_retries=config.max_retries,
-                        base_retry_wait_s=config.base_retry_wait_time_in_s,
-                        max_concurrent_requests=config.max_concurrent_requests,
-                        request_timeout_s=config.request_timeout_s, dedup=config.dedup_requests,
-                        structured_fields=config.structured_output_fields, session_factory=config.session_factory)
-    layout = _endpoint_layout(config, engine, preprocess=preprocess, postprocess=postprocess,
-                              preprocess_map_kwargs=preprocess_map_kwargs, postprocess_map_kwargs=postprocess_map_kwargs,
-                              keep_private=keep_private, encoded_output=encoded_output, stage=config.http_request_stage)
-    return Processor(config, layout)
+                         postprocess_map_kwargs: dict[str, Any] | None = None) -> Layout:
+    """The HTTP layout: [preprocess] -> OpenAI-compatible endpoint -> [postprocess]."""
+    engine = HttpEngine(HttpSettings(
+        url=config.url, headers=endpoint_headers(config), model=config.model, qps=config.qps,
+        tokens_per_minute=config.tokens_per_minute, max_retries=config.max_retries,
+        base_retry_wait_time_in_s=config.base_retry_wait_time_in_s,
+        max_concurrent_requests=config.max_concurrent_requests, request_timeout_s=config.request_timeout_s,
+        dedup_requests=config.dedup_requests, structured_output_fields=config.structured_output_fields,
+        session_factory=config.session_factory))
+    return _endpoint_layout(config, engine, preprocess=preprocess, postprocess=postprocess,
+                            preprocess_map_kwargs=preprocess_map_kwargs, postprocess_map_kwargs=postprocess_map_kwargs,
+                            stage=config.http_request_stage)
 
 
 @register(ServeDeploymentProcessorConfig)
-def build_serve_processor(config: ServeDeploymentProcessorConfig, *, preprocess: UserFn | None = None,
+def build_serve_layout(config: ServeDeploymentProcessorConfig, *, preprocess: UserFn | None = None,
                           postprocess: UserFn | None = None, preprocess_map_kwargs: dict[str, Any] | None = None,
-                          postprocess_map_kwargs: dict[str, Any] | None = None, keep_private: tuple[str, ...] = (),
-                          encoded_output: bool = False) -> Processor:
-    """The Serve processor: [preprocess] -> a shared Ray Serve deployment -> [postprocess]."""
-    engine = ServeEngine(config.deployment_name, config.app_name, dtype_mapping=config.dtype_mapping,
-                         request_timeout_s=config.request_timeout_s, model=config.model,
-                         max_concurrent_requests=config.max_concurrent_requests, dedup=config.dedup_requests,
-                         structured_fields=config.structured_output_fields)
-    layout = _endpoint_layout(config, engine, preprocess=preprocess, postprocess=postprocess,
-                              preprocess_map_kwargs=preprocess_map_kwargs, postprocess_map_kwargs=postprocess_map_kwargs,
-                              keep_private=keep_private, encoded_output=encoded_output,
-                              max_attempts=REPLICA_ATTEMPTS)
-    return Processor(config, layout)
-
-
-class _Passthrough(Stage):
-    """The last operator when nothing else runs after the engine: shapes the output rows."""
-
-    name = "output"
-
-    def process_row(self, row) -> None:
-        return None
+                          postprocess_map_kwargs: dict[str, Any] | None = None) -> Layout:
+    """The Serve layout: [preprocess] -> a shared Ray Serve deployment -> [postprocess]."""
+    engine = ServeEngine(ServeSettings(
+        deployment_name=config.deployment_name, app_name=config.app_name, dtype_mapping=config.dtype_mapping,
+        request_timeout_s=config.request_timeout_s, model=config.model,
+        max_concurrent_requests=config.max_concurrent_requests, dedup_requests=config.dedup_requests,
+        structured_output_fields=config.structured_output_fields))
+    return _endpoint_layout(config, engine, preprocess=preprocess, postprocess=postprocess,
+                            preprocess_map_kwargs=preprocess_map_kwargs, postprocess_map_kwargs=postprocess_map_kwargs,
+                            max_attempts=REPLICA_ATTEMPTS)
 
 
 def _placement_group_fn(config: vLLMEngineProcessorConfig) -> Callable[[], dict[str, Any]]:

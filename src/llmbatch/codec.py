@@ -26,7 +26,14 @@ from typing import Any
 
 import pyarrow as pa
 
-from llmbatch.rows import ERROR_COLUMN, GENERATE_OUTPUT_COLUMNS, HTTP_OUTPUT_COLUMNS, TASK_OUTPUT_COLUMNS, Row
+from llmbatch.rows import (
+    ERROR_COLUMN,
+    GENERATE_OUTPUT_COLUMNS,
+    HTTP_OUTPUT_COLUMNS,
+    OUTPUT_COLUMNS,
+    TASK_OUTPUT_COLUMNS,
+    Row,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -34,25 +41,15 @@ STATE_COLUMN = "__llmbatch_state"
 #: Field metadata that marks a column stored as JSON text.
 JSON_FIELD_KEY = b"llmbatch.json"
 
-#: Arrow types of the engine's output columns, so that every block agrees on them.
+_ARROW = {"string": pa.string(), "int64": pa.int64(), "float64": pa.float64(),
+          "list<int64>": pa.list_(pa.int64()), "list<float32>": pa.list_(pa.float32())}
+#: Arrow types of the engine's output columns (:data:`llmbatch.rows.OUTPUT_COLUMNS`), so that
+#: every block agrees on them.
 OUTPUT_TYPES: dict[str, pa.DataType] = {
-    "generated_text": pa.string(),
-    "generated_tokens": pa.list_(pa.int64()),
-    "num_input_tokens": pa.int64(),
-    "num_generated_tokens": pa.int64(),
-    "prompt": pa.string(),
-    "finish_reason": pa.string(),
-    "time_taken_llm": pa.float64(),
-    "request_id": pa.int64(),
-    "batch_uuid": pa.string(),
-    "embeddings": pa.list_(pa.float32()),
-    "probs": pa.list_(pa.float32()),
-    "label": pa.string(),
-    "score": pa.float64(),
-    ERROR_COLUMN: pa.string(),
-}
+    **{c.name: _ARROW[c.arrow] for c in OUTPUT_COLUMNS if c.arrow}, ERROR_COLUMN: pa.string()}
 #: Vector columns stored as fixed-size lists when every row of a block has the same length.
-VECTOR_COLUMNS = ("embeddings", "probs")
+VECTOR_COLUMNS = tuple(c.name for c in OUTPUT_COLUMNS if c.vector)
+_EMPTY = {c.name: c.empty for c in OUTPUT_COLUMNS}
 
 
 def empty_engine_output(task_type: str, row: Row) -> dict[str, Any]:
@@ -68,13 +65,10 @@ def empty_engine_output(task_type: str, row: Row) -> dict[str, Any]:
             columns = tuple(dict.fromkeys(GENERATE_OUTPUT_COLUMNS + columns))
     else:
         columns = TASK_OUTPUT_COLUMNS[task_type]
-    defaults = {
-        "generated_text": "", "generated_tokens": [], "num_input_tokens": 0, "num_generated_tokens": 0,
-        "prompt": row.get("prompt") if isinstance(row.get("prompt"), str) else "",
-        "finish_reason": "error", "time_taken_llm": 0.0, "request_id": -1, "batch_uuid": "", "embeddings": None,
-        "http_response": None, "probs": None, "label": None, "score": None,
-    }
-    return {c: defaults[c] for c in columns}
+    out = {c: list(_EMPTY[c]) if isinstance(_EMPTY[c], tuple) else _EMPTY[c] for c in columns}
+    if "prompt" in out and isinstance(row.get("prompt"), str):
+        out["prompt"] = row["prompt"]  # the prompt the row had
+    return out
 
 
 # ---------------------------------------------------------------------------- in flight

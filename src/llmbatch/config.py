@@ -21,11 +21,14 @@ from pydantic import (
     model_validator,
 )
 
+from llmbatch.engines.settings import EngineKwargs
 from llmbatch.engines.sglang_params import engine_kwargs as sglang_engine_kwargs
-from llmbatch.errors import ConfigError, suggestion
+from llmbatch.errors import ConfigError
 from llmbatch.models import check_model_source
 from llmbatch.redact import redact
+from llmbatch.resume import ENGINE_KWARGS_RESUME, NUMERICS, PLACEMENT, resume_kind  # noqa: F401 - the job layer reads them here
 from llmbatch.stages.warm import keep_warm_default
+from llmbatch.validation import format_validation_error
 
 Concurrency = Union[int, tuple[int, int]]
 TaskType = Literal["generate", "embed", "classify", "score"]
@@ -39,50 +42,6 @@ ADMITTED_REQUESTS = 2048
 SGLANG_ADMITTED_REQUESTS = 8192
 
 
-#: How a job treats a change of a setting between runs (``resume`` metadata on config fields,
-#: read by the job layer): "placement" never changes an answer and changes silently;
-#: "numerics" changes no request but can change a greedy answer in a near-tie (batching,
-#: parallelism, kernels), so it changes with a warning recorded in job.json; a field without
-#: the metadata decides answers, and a job refuses to resume across it.
-PLACEMENT = {"resume": "placement"}
-NUMERICS = {"resume": "numerics"}
-#: The same for keys of ``engine_kwargs`` (passed to vLLM as is, so not fields of ours).
-ENGINE_KWARGS_RESUME: dict[str, str] = {
-    **dict.fromkeys(("disable_log_stats", "enable_log_requests", "distributed_executor_backend"), "placement"),
-    **dict.fromkeys(("max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization", "kv_cache_memory_bytes",
-                     "enforce_eager", "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
-                     "swap_space", "enable_prefix_caching", "enable_chunked_prefill", "compilation_config",
-                     "block_size", "cpu_offload_gb"), "numerics"),
-}
-
-
-def resume_kind(cls: type, name: str) -> str | None:
-    """A config field's ``resume`` metadata ("placement", "numerics"), or None."""
-    field = cls.model_fields.get(name)
-    extra = field.json_schema_extra if field is not None else None
-    return extra.get("resume") if isinstance(extra, dict) else None
-
-
-def _format_validation_error(cls_name: str, exc: ValidationError, known: list[str]) -> str:
-    lines = []
-    for err in exc.errors():
-        loc = ".".join(str(p) for p in err["loc"]) or "(config)"
-        if err["type"] == "extra_forbidden":
-            field = str(err["loc"][-1])
-            hint = suggestion(field, known) or f". Known fields: {', '.join(known)}"
-            lines.append(f"unknown field '{loc}'{hint}.")
-        elif err["type"] == "missing":
-            lines.append(f"field '{loc}' is required.")
-        else:
-            msg = err["msg"].removeprefix("Value error, ")
-            nested = isinstance((err.get("ctx") or {}).get("error"), ConfigError)  # a nested config's own message
-            if not err["loc"] or nested:  # (or a rule over several fields): no field value to repeat
-                lines.append(("" if not err["loc"] else f"field '{loc}': ") + msg.rstrip(".") + ".")
-            else:
-                lines.append(f"field '{loc}': {msg} (got {err.get('input')!r}).")
-    return f"{cls_name}: " + " ".join(lines)
-
-
 class BaseConfig(BaseModel):
     """Base of all configs: unknown fields are errors, assignments are validated."""
 
@@ -92,7 +51,7 @@ class BaseConfig(BaseModel):
         try:
             super().__init__(**data)
         except ValidationError as exc:
-            raise ConfigError(_format_validation_error(type(self).__name__, exc, self.known_fields())) from None
+            raise ConfigError(format_validation_error(type(self).__name__, exc, self.known_fields())) from None
 
     @classmethod
     def known_fields(cls) -> list[str]:
@@ -368,8 +327,7 @@ class vLLMEngineProcessorConfig(OfflineProcessorConfig):
 
     def devices_per_replica(self) -> int:
         """GPUs one replica needs: tensor_parallel_size x pipeline_parallel_size."""
-        kw = self.engine_kwargs
-        return int(kw.get("tensor_parallel_size", 1)) * int(kw.get("pipeline_parallel_size", 1))
+        return EngineKwargs(self.engine_kwargs).devices()
 
 
 class SGLangEngineProcessorConfig(OfflineProcessorConfig):
@@ -391,8 +349,7 @@ class SGLangEngineProcessorConfig(OfflineProcessorConfig):
 
     def devices_per_replica(self) -> int:
         """GPUs one replica needs: tp_size x pp_size x dp_size (SGLang's names)."""
-        kw = self.engine_kwargs
-        return int(kw.get("tp_size", 1)) * int(kw.get("pp_size", 1)) * int(kw.get("dp_size", 1))
+        return EngineKwargs(self.engine_kwargs).devices()
 
 
 class HttpRequestStageConfig(StageConfig):

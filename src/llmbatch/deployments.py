@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from llmbatch.builders import build_vllm_processor
+from llmbatch.builders import build_layout
 from llmbatch.cluster import ensure_ray
 from llmbatch.config import LLMConfig, vLLMEngineProcessorConfig
 from llmbatch.engines.openai_api import (
@@ -51,7 +51,7 @@ class LLMServer:
     async def __init__(self, engine_config: dict[str, Any], model_id: str):
         # the deployment is the long-lived engine itself: no warm host behind it
         config = vLLMEngineProcessorConfig(**{**engine_config, "should_continue_on_error": True, "keep_warm_s": 0})
-        layout = build_vllm_processor(config).layout
+        layout = build_layout(config)
         self.stages = [s.stage for s in layout.pre] + [layout.engine] + [s.stage for s in layout.post]
         self.model_id = model_id
         for stage in self.stages:

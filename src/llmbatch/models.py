@@ -289,13 +289,40 @@ def model_config(path: str) -> dict:
         return {}
 
 
+#: The config keys vLLM reads a model's context length from (it takes the smallest given).
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "model_max_length",
+                "max_target_positions", "max_sequence_length", "max_seq_length", "seq_len")
+#: RoPE types whose ``max_position_embeddings`` is already scaled (vLLM applies no factor).
+_PRESCALED_ROPE = ("su", "longrope", "llama3", "yarn", "deepseek_yarn", "deepseek_llama_scaling")
+
+
+def _json_file(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
 def model_max_len(path: str) -> int | None:
-    """The model's context length from its config.json, if it says."""
+    """The model's context length from its files, as vLLM derives it when ``max_model_len`` is
+    not given: the smallest of :data:`CONTEXT_KEYS` in the (text) config, capped by the
+    tokenizer's ``model_max_length``, scaled by a RoPE factor, and a sentence-transformers
+    model's ``max_seq_length`` where it has one. None where the files do not say."""
     config = model_config(path)
-    for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
-        if isinstance(config.get(key), int):
-            return config[key]
-    return None
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    given = [text[k] for k in CONTEXT_KEYS if isinstance(text.get(k), int) and not isinstance(text.get(k), bool)]
+    length: float | None = min(given) if given else None
+    tokenizer_max = _json_file(Path(path) / "tokenizer_config.json").get("model_max_length")
+    if length is not None and isinstance(tokenizer_max, (int, float)):
+        length = min(length, tokenizer_max)
+    rope = text.get("rope_scaling") or text.get("rope_parameters")
+    if length is not None and isinstance(rope, dict):
+        if rope.get("rope_type", rope.get("type")) not in _PRESCALED_ROPE and rope.get("factor"):
+            length *= float(rope["factor"])
+    sentence = _json_file(Path(path) / "sentence_bert_config.json").get("max_seq_length")
+    if isinstance(sentence, int):
+        length = sentence
+    return int(length) if length is not None else None
 
 
 def is_sequence_classifier(path: str) -> bool:

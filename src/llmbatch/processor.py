@@ -26,6 +26,7 @@ from llmbatch.config import (
 from llmbatch.errors import ConfigError, ResourceError
 from llmbatch.rows import PRIVATE_PREFIX, ROW_ID
 from llmbatch.stages.base import Stage
+from llmbatch.stages.output import OutputStage
 from llmbatch.stages.runner import StageRunner
 from llmbatch.stages.warm import WarmEngineStage
 from llmbatch.watchdog import watch
@@ -83,11 +84,12 @@ class Layout:
     max_tasks_in_flight: int | None = None
     engine_remote_args_fn: Callable[[], dict[str, Any]] | None = None
     stall_timeout_s: float | None = None
-    keep_private: tuple[str, ...] = ()
-    encoded_output: bool = False
     needs_gpu: bool = False  # an engine with no CPU build (SGLang)
     #: the engine workers' own resources (num_cpus, memory) where a stage config sets them
     engine_resources: dict[str, Any] | None = None
+    #: the last stage, in the last operator: the shape of the output rows (the public API's, or
+    #: the job layer's: ``builders.build_layout``)
+    output: OutputStage = field(default_factory=OutputStage)
 
 
 @dataclass
@@ -202,7 +204,9 @@ class Processor:
         engine = self._engine_operator(cluster, reserved)
         engine.stages = [s.stage for s in into_engine_pre] + engine.stages + [s.stage for s in into_engine_post]
         engine.name = "+".join(s.name for s in engine.stages)
-        return pre_ops + [engine] + post_ops
+        ops = pre_ops + [engine] + post_ops
+        ops[-1].stages.append(self.layout.output)
+        return ops
 
     # -- running -----------------------------------------------------------------------------
 
@@ -225,8 +229,8 @@ class Processor:
             # reads its batches and shapes its output
             warm = lay.engine
             engine_op = next(op for op in ops if warm in op.stages)
-            warm.chain = [warm.local if s is warm else s for s in engine_op.stages]
-            engine_op.stages = [warm]
+            warm.chain = [warm.local if s is warm else s for s in engine_op.stages if s is not lay.output]
+            engine_op.stages = [warm] + [s for s in engine_op.stages if s is lay.output]
             warm.host_resources = {k: engine_op.remote_args.pop(k) for k in ("num_gpus", "accelerator_type")
                                    if k in engine_op.remote_args}
             if lay.runtime_env:
@@ -257,10 +261,10 @@ class Processor:
                 # sizes the input plan produced (one block of everything, or many tiny ones).
                 ds = ds.repartition(target_num_rows_per_block=op.batch_size)
                 rows_per_block = op.batch_size
-            ds = ds.map_batches(StageRunner, **self._map_kwargs(op, i == len(ops) - 1, run_id))
+            ds = ds.map_batches(StageRunner, **self._map_kwargs(op, run_id))
         return ds
 
-    def _map_kwargs(self, op: Operator, sink: bool, run_id: str) -> dict[str, Any]:
+    def _map_kwargs(self, op: Operator, run_id: str) -> dict[str, Any]:
         import ray.data
 
         lay = self.layout
@@ -271,10 +275,8 @@ class Processor:
         if op.max_concurrent_calls > 1:
             pool.update(max_concurrent_calls_per_actor=op.max_concurrent_calls, enable_true_multi_threading=True)
         kwargs = dict(
-            fn_constructor_kwargs=dict(stages=op.stages, sink=sink, encoded_output=lay.encoded_output,
-                                       task_type=lay.task_type, continue_on_error=lay.continue_on_error,
-                                       keep_private=lay.keep_private, run_id=run_id, role=op.name,
-                                       peers=op.min_workers, peer_wait_s=lay.stall_timeout_s or 600.0),
+            fn_constructor_kwargs=dict(stages=op.stages, continue_on_error=lay.continue_on_error, run_id=run_id,
+                                       role=op.name, peers=op.min_workers, peer_wait_s=lay.stall_timeout_s or 600.0),
             batch_size=op.batch_size,
             batch_format="pyarrow",
             zero_copy_batch=True,

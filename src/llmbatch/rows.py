@@ -16,8 +16,8 @@ the user's postprocess.
 from __future__ import annotations
 
 import array
-
 import math
+from dataclasses import dataclass
 from typing import Any
 
 from llmbatch.errors import RowValidationError
@@ -26,42 +26,66 @@ Row = dict[str, Any]
 
 ERROR_COLUMN = "__inference_error__"
 
+_POOLING = ("embed", "classify", "score")
+_EVERY = ("generate", *_POOLING, "endpoint")
+
+
+@dataclass(frozen=True)
+class OutputColumn:
+    """One engine output column, declared once (:data:`OUTPUT_COLUMNS`): the task lists, the
+    Arrow types (:data:`llmbatch.codec.OUTPUT_TYPES`) and an error row's values
+    (:func:`llmbatch.codec.empty_engine_output`) all come from it."""
+
+    name: str
+    #: the tasks that write it on every row ("endpoint": HTTP and Ray Serve rows that carried
+    #: their own request)
+    tasks: tuple[str, ...]
+    #: its Arrow type ("" where none is fixed: an endpoint's response as it came)
+    arrow: str
+    #: its value on a row that got no answer
+    empty: Any = None
+    #: a vector per row (stored as a fixed-size list where a block's rows agree on its length)
+    vector: bool = False
+
+
+#: The engine's output columns, in the order each task writes them. Classify adds ``probs``
+#: and ``label``, which Ray lacks; score adds the float ``score``. An endpoint row that carried
+#: its own request (``payload`` / ``request_kwargs``, Ray's contract) gets the response as it
+#: came (``http_response``; a Serve deployment's response fields are merged into the row
+#: instead, as in Ray) and the token usage it reported; endpoint rows with
+#: ``messages``/``prompt`` get the generate columns as well.
+OUTPUT_COLUMNS = (
+    OutputColumn("embeddings", _POOLING, "list<float32>", vector=True),
+    OutputColumn("http_response", ("endpoint",), ""),
+    OutputColumn("generated_text", ("generate",), "string", ""),
+    OutputColumn("generated_tokens", ("generate",), "list<int64>", ()),
+    OutputColumn("num_input_tokens", _EVERY, "int64", 0),
+    OutputColumn("num_generated_tokens", ("generate", "endpoint"), "int64", 0),
+    OutputColumn("prompt", ("generate", *_POOLING), "string", ""),
+    OutputColumn("finish_reason", ("generate",), "string", "error"),
+    OutputColumn("time_taken_llm", _EVERY, "float64", 0.0),
+    OutputColumn("request_id", _EVERY, "int64", -1),
+    OutputColumn("batch_uuid", _EVERY, "string", ""),
+    OutputColumn("probs", ("classify",), "list<float32>", vector=True),
+    OutputColumn("label", ("classify",), "string"),
+    OutputColumn("score", ("score",), "float64"),
+)
+
+
+def columns_of(task: str) -> tuple[str, ...]:
+    """The columns ``task`` writes on every row, in order."""
+    return tuple(c.name for c in OUTPUT_COLUMNS if task in c.tasks)
+
+
 #: Columns the engine stage writes on every generate row.
-GENERATE_OUTPUT_COLUMNS = (
-    "generated_text",
-    "generated_tokens",
-    "num_input_tokens",
-    "num_generated_tokens",
-    "prompt",
-    "finish_reason",
-    "time_taken_llm",
-    "request_id",
-    "batch_uuid",
-)
-#: Columns the engine stage writes on every embed/classify/score row.
-POOLING_OUTPUT_COLUMNS = (
-    "embeddings",
-    "num_input_tokens",
-    "prompt",
-    "time_taken_llm",
-    "request_id",
-    "batch_uuid",
-)
-#: Columns an endpoint engine (HTTP, Ray Serve) writes on a row that carried its own request
-#: (``payload`` / ``request_kwargs``, Ray's contract): the response as it came (``http_response``;
-#: a Serve deployment's response fields are merged into the row instead, as in Ray) and the token
-#: usage it reported. Rows with ``messages``/``prompt`` get the generate columns as well.
-HTTP_OUTPUT_COLUMNS = ("http_response", "num_input_tokens", "num_generated_tokens", "time_taken_llm", "request_id",
-                       "batch_uuid")
-#: Columns each task writes on every row (classify adds ``probs`` and ``label``, which Ray
-#: lacks; score adds the float ``score``).
-TASK_OUTPUT_COLUMNS = {
-    "generate": GENERATE_OUTPUT_COLUMNS,
-    "embed": POOLING_OUTPUT_COLUMNS,
-    "classify": POOLING_OUTPUT_COLUMNS + ("probs", "label"),
-    "score": POOLING_OUTPUT_COLUMNS + ("score",),
-}
-ENGINE_OUTPUT_COLUMNS = tuple(dict.fromkeys(c for cols in (*TASK_OUTPUT_COLUMNS.values(), HTTP_OUTPUT_COLUMNS) for c in cols))
+GENERATE_OUTPUT_COLUMNS = columns_of("generate")
+#: Columns the engine stage writes on every embed row.
+POOLING_OUTPUT_COLUMNS = columns_of("embed")
+#: Columns an endpoint engine writes on a row that carried its own request.
+HTTP_OUTPUT_COLUMNS = columns_of("endpoint")
+#: Columns each task writes on every row.
+TASK_OUTPUT_COLUMNS = {task: columns_of(task) for task in ("generate", *_POOLING)}
+ENGINE_OUTPUT_COLUMNS = tuple(c.name for c in OUTPUT_COLUMNS)
 #: Keys a scoring row may hold its pair in (Ray's ``text_1``/``text_2``, or ``query``/``document``).
 PAIR_KEYS = (("text_1", "text_2"), ("query", "document"))
 

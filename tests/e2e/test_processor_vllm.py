@@ -13,8 +13,10 @@ import jsonschema
 import pytest
 
 from llmbatch import build_llm_processor, build_processor, vLLMEngineProcessorConfig
-from llmbatch.builders import build_internal_processor
+from llmbatch.builders import build_layout
+from llmbatch.processor import Processor
 from llmbatch.rows import STATS, TASK_OUTPUT_COLUMNS
+from llmbatch.stages.output import OutputStage
 
 pytestmark = pytest.mark.e2e
 
@@ -136,12 +138,12 @@ def no_post(ray_cluster, smollm2):
     # other is ready (under the suite's load one replica took them all once)
     config = vLLMEngineProcessorConfig(model_source="smollm2-135m-instruct", engine_kwargs=ENGINE,
                                        batch_size=4, concurrency=2, max_concurrent_batches=2)
-    processor = build_internal_processor(
+    processor = Processor(config, build_layout(
         config,
         preprocess=lambda row: dict(messages=[{"role": "user", "content": f"Say hello to {row['name']}."}],
                                     sampling_params=dict(temperature=0, max_tokens=5)),
-        keep_private=(STATS,),
-    )
+        output=OutputStage(keep_private=(STATS,)),
+    ))
     rows = [{"id": i, "name": f"person {i}"} for i in range(32)]
     ds = processor(ray.data.from_items(rows))
     return rows, ds.take_all(), ds.schema()
@@ -229,10 +231,10 @@ def test_a_second_run_adopts_the_warm_engine_of_the_first(ray_cluster, smollm2):
     def once(words):
         config = vLLMEngineProcessorConfig(model_source="smollm2-135m-instruct", engine_kwargs=ENGINE, batch_size=4,
                                            keep_warm_s=600)
-        processor = build_internal_processor(
+        processor = Processor(config, build_layout(
             config, preprocess=lambda row: dict(prompt=f"A {row['w']} is a kind of",
                                                 sampling_params=dict(temperature=0, max_tokens=4)),
-            keep_private=(STATS,))
+            output=OutputStage(keep_private=(STATS,))))
         return processor(ray.data.from_items([{"w": w} for w in words])).take_all()
 
     first = once(["apple", "oak", "salmon"])

@@ -12,6 +12,7 @@ import pytest
 from aiohttp import web
 
 from llmbatch.engines.http import HttpEngine, retry_after
+from llmbatch.engines.settings import HttpSettings
 from llmbatch.errors import (
     EndpointConnectionError,
     EndpointTimeoutError,
@@ -84,8 +85,8 @@ def run(endpoint: Endpoint, coro_fn, **engine_kwargs):
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
         port = site._server.sockets[0].getsockname()[1]
-        engine = HttpEngine(f"http://127.0.0.1:{port}/v1/chat/completions", **{
-            "model": "m", "max_retries": 2, "base_retry_wait_s": 0.01, "request_timeout_s": 0.5, **engine_kwargs})
+        engine = HttpEngine(HttpSettings(f"http://127.0.0.1:{port}/v1/chat/completions", **{
+            "model": "m", "max_retries": 2, "base_retry_wait_time_in_s": 0.01, "request_timeout_s": 0.5, **engine_kwargs}))
         await engine.start()
         try:
             return await coro_fn(engine, port)

@@ -17,6 +17,7 @@ import pytest
 
 from llmbatch import SGLangEngineProcessorConfig, build_processor
 from llmbatch.engines import sglang as sg
+from llmbatch.engines.settings import SGLangSettings
 from llmbatch.engines.sglang import SGLangEngine, check_sglang_build
 from llmbatch.engines.sglang_params import (
     DEFAULT_MAX_TOKENS,
@@ -251,7 +252,7 @@ def rows(n, max_tokens=2):
 
 
 def test_rows_run_and_the_engine_closes_its_processes(fake_engine):
-    engine = SGLangEngine("/models/x", {})
+    engine = SGLangEngine(SGLangSettings("/models/x", {}))
 
     async def go():
         stage = EngineStage(engine)
@@ -276,7 +277,7 @@ def test_rows_run_and_the_engine_closes_its_processes(fake_engine):
 
 
 def test_a_killed_engine_process_is_restarted_and_no_row_is_lost(fake_engine):
-    engine = SGLangEngine("/models/x", {})
+    engine = SGLangEngine(SGLangSettings("/models/x", {}))
 
     async def go():
         stage = EngineStage(engine)
@@ -327,7 +328,7 @@ def test_admission_follows_the_running_requests_the_scheduler_sized(fake_engine,
     monkeypatch.setattr(SGLangEngine, "_launch", launch)
 
     async def go():
-        stage = EngineStage(SGLangEngine("/models/x", {}))
+        stage = EngineStage(SGLangEngine(SGLangSettings("/models/x", {})))
         await stage.start()
         limit = stage._semaphore._value
         await stage.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from llmbatch.engines.settings import VLLMSettings
 from llmbatch.engines.vllm_setup import engine_arguments
 
 
@@ -53,7 +54,7 @@ def test_generating_with_an_embedding_model_fails_at_start_saying_what_to_set(mi
     from llmbatch.engines.vllm import VLLMEngine
     from llmbatch.errors import EngineStartError
 
-    engine = VLLMEngine(model_source=str(minilm), engine_kwargs={}, task_type="generate")
+    engine = VLLMEngine(VLLMSettings(model_source=str(minilm), engine_kwargs={}, task_type="generate"))
     with pytest.raises(EngineStartError, match=r"is a pooling model .*set task_type='embed'"):
         asyncio.run(engine.start())
     assert engine.llm is None  # the engine it had started is closed
@@ -97,14 +98,14 @@ def test_in_a_ray_actor_the_engine_process_comes_from_the_warm_fork_server(ray_c
             async_llm.renderer_from_config = renderer_from_config
             settings = {"max_model_len": 256, "kv_cache_memory_bytes": 256 << 20}
             try:
-                failed = VLLMEngine(model_source=model, engine_kwargs=settings)
+                failed = VLLMEngine(VLLMSettings(model_source=model, engine_kwargs=settings))
                 try:
                     await failed.start()
                 except EngineStartError as exc:
                     seen["first_start"] = str(exc)
                 time.sleep(1)
                 seen["engines_left_after_it"] = len(engine_processes())
-                engine = VLLMEngine(model_source=model, engine_kwargs=settings)
+                engine = VLLMEngine(VLLMSettings(model_source=model, engine_kwargs=settings))
                 await engine.start()
             finally:
                 async_llm.renderer_from_config = own

@@ -1,6 +1,11 @@
-"""A newcomer's mistakes, walked through the real command line (a process each): every one is
-caught before any engine or Ray starts, in one line on stderr with exit code 2, naming the flag
-and the fix, with no traceback, and leaves nothing behind (no job directory, no output folder).
+"""A newcomer's mistakes, walked through the real command line: every one is caught before any
+engine or Ray starts, in one line on stderr with exit code 2, naming the flag and the fix, with no
+traceback, and leaves nothing behind (no job directory, no output folder).
+
+The CLI's own entry point runs in the test process (``tests/inproc.py``), where the start-up
+ledger (``LLMBATCH_START_LOG``) shows that nothing started; a case runs as a process of its own
+where the process is the point: file permissions a root process gives up before it runs
+(``unprivileged``), and variables read once at import (``HF_HUB_OFFLINE``).
 """
 
 from __future__ import annotations
@@ -9,10 +14,12 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from inproc import llmbatch as llmbatch_inproc
 
 SMOL = "smollm2-135m-instruct"
 #: capabilities a root process reads and writes past file permissions with (linux/capability.h)
@@ -109,6 +116,28 @@ def _obey_file_permissions() -> None:
 
 
 def _llmbatch(args: list[str], cwd: Path, env: dict[str, str], unprivileged: bool) -> subprocess.CompletedProcess:
+    """The CLI in a process of its own where the process is the point (see the module's text),
+    else in this one, with the start-up ledger's lines of this process checked: none is written
+    (no Ray, no engine started)."""
+    if not unprivileged and not env:
+        own = not os.environ.get("LLMBATCH_START_LOG")  # a run of this file alone: a ledger of its own
+        if own:
+            os.environ["LLMBATCH_START_LOG"] = tempfile.mkstemp(prefix="lbt-mistakes-", suffix=".jsonl")[1]
+        ledger = Path(os.environ["LLMBATCH_START_LOG"])
+        ledger.touch()
+        seen = ledger.stat().st_size
+        try:
+            proc = llmbatch_inproc(*args, cwd=cwd, env={"LLMBATCH_KEEP_WARM_S": "0"})
+            with ledger.open("rb") as f:
+                f.seek(seen)
+                mine = [json.loads(line) for line in f.read().splitlines() if line.strip()]
+        finally:
+            if own:
+                ledger.unlink(missing_ok=True)
+                os.environ.pop("LLMBATCH_START_LOG")
+        started = [e["kind"] for e in mine if e.get("pid") == os.getpid()]
+        assert not started, f"llmbatch {args[0]} started {started} before it failed"
+        return proc
     preexec = _obey_file_permissions if unprivileged and os.geteuid() == 0 else None
     return subprocess.run([sys.executable, "-m", "llmbatch", *args], cwd=cwd, capture_output=True, text=True,
                           env={**os.environ, "LLMBATCH_KEEP_WARM_S": "0", **env}, timeout=300, preexec_fn=preexec)

@@ -112,7 +112,7 @@ def test_random_sampling_is_not_deduplicated():
 
 def test_dedup_can_be_switched_off():
     engine = FakeEngine()
-    run_stage(EngineStage(engine, dedup=False), [{"prompt": "same"} for _ in range(3)])
+    run_stage(EngineStage(engine, dedup_requests=False), [{"prompt": "same"} for _ in range(3)])
     assert engine.calls.count("same") == 3
 
 
@@ -182,7 +182,7 @@ def test_bad_rows_become_error_rows_or_raise():
 
     from llmbatch.stages.runner import StageRunner
 
-    runner = StageRunner([EngineStage(FakeEngine())], sink=True, continue_on_error=False)
+    runner = StageRunner([EngineStage(FakeEngine())], continue_on_error=False)
     with pytest.raises(RowError, match="RowValidationError.*row .*bad"):
         list(runner(pa.table({"prompt": [r["prompt"] for r in rows]})))
 
@@ -240,12 +240,16 @@ def test_job_sink_keeps_the_error_column_with_postprocess_and_errors_not_kept():
     from llmbatch.codec import decode_rows
     from llmbatch.rows import ROW_ID
     from llmbatch.stages.runner import StageRunner
+    from llmbatch.stages.output import OutputStage
     from llmbatch.stages.user_fns import PostprocessStage
 
     rows = pa.table({ROW_ID: [0, 1], "generated_text": ["a", "b"], ERROR_COLUMN: ["", ""]})
     post = PostprocessStage(lambda row: {"answer": row["generated_text"]})
-    job_sink = StageRunner([post], sink=True, encoded_output=True, continue_on_error=False, keep_private=(ROW_ID,))
+    job_output = OutputStage(keep_private=(ROW_ID,), encoded=True).bind(task_type="generate", continue_on_error=False,
+                                                                         postprocessed=True)
+    job_sink = StageRunner([post, job_output], continue_on_error=False)
     out = [r for t in job_sink(rows) for r in decode_rows(t)]
     assert [(r["answer"], r[ERROR_COLUMN], r[ROW_ID]) for r in out] == [("a", "", 0), ("b", "", 1)]
-    user_sink = StageRunner([post], sink=True, continue_on_error=False)
+    user_output = OutputStage().bind(task_type="generate", continue_on_error=False, postprocessed=True)
+    user_sink = StageRunner([post, user_output], continue_on_error=False)
     assert all(ERROR_COLUMN not in t.column_names for t in user_sink(rows))

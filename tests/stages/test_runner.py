@@ -8,6 +8,7 @@ import pytest
 from llmbatch.codec import STATE_COLUMN, decode_rows
 from llmbatch.rows import ERROR_COLUMN, ROW_ID, STATS
 from llmbatch.stages.base import Stage
+from llmbatch.stages.output import OutputStage
 from llmbatch.stages.runner import StageRunner
 
 
@@ -26,7 +27,7 @@ def run(runner, table):
 
 
 def test_user_sink_gives_typed_columns_without_request_fields():
-    runner = StageRunner([Answer()], sink=True, continue_on_error=True)
+    runner = StageRunner([Answer(), OutputStage()], continue_on_error=True)
     out = pa.concat_tables(run(runner, pa.table({"q": ["a", "bad"], "keep": [1, 2]})))
     rows = out.to_pylist()
     assert "sampling_params" not in out.column_names and STATS not in out.column_names
@@ -38,7 +39,7 @@ def test_middle_operators_pass_encoded_rows_and_the_job_sink_keeps_its_private_c
     middle = StageRunner([Answer()], continue_on_error=True)
     (table,) = run(middle, pa.table({"q": ["a"], ROW_ID: [7]}))
     assert table.column_names == [STATE_COLUMN]
-    job_sink = StageRunner([], sink=True, encoded_output=True, keep_private=(ROW_ID, STATS))
+    job_sink = StageRunner([OutputStage(keep_private=(ROW_ID, STATS), encoded=True)])
     (out,) = run(job_sink, table)
     (row,) = decode_rows(out)
     assert row[ROW_ID] == 7 and row[STATS] == {"replica": "r"} and row["generated_text"] == "A"
@@ -144,7 +145,7 @@ def test_a_batchs_cpu_work_does_not_hold_back_the_engine_requests_of_another():
             marks.setdefault(f"{rows[0]['q']} answered", time.monotonic())
             yield rows
 
-    runner = StageRunner([Cpu(), Engine()], sink=True)
+    runner = StageRunner([Cpu(), Engine(), OutputStage()])
     fast = threading.Thread(target=run, args=(runner, pa.table({"q": ["fast"]})))
     fast.start()
     time.sleep(0.01)
@@ -174,7 +175,7 @@ def test_a_batch_on_its_way_to_the_engine_passes_batches_waiting_for_their_first
         def process_batch(self, rows):
             order.append(f"template {rows[0]['q']}")
 
-    runner = StageRunner([Decode(), Template(), Answer()], sink=True)
+    runner = StageRunner([Decode(), Template(), Answer(), OutputStage()])
     threads = [threading.Thread(target=run, args=(runner, pa.table({"q": [f"b{i}"]}))) for i in range(4)]
     for t in threads:
         t.start()
@@ -198,7 +199,7 @@ def test_a_process_with_the_cpu_thread_hands_the_gil_to_the_loop_within_a_fracti
     before = sys.getswitchinterval()
     try:
         sys.setswitchinterval(0.005)
-        runner = StageRunner([Answer()], sink=True)
+        runner = StageRunner([Answer(), OutputStage()])
         assert run(runner, pa.table({"q": ["a"]}))[0].column("generated_text").to_pylist() == ["A"]
         want = base.SWITCH_INTERVAL_S if cores >= base.SWITCH_MIN_CORES else 0.005
         assert sys.getswitchinterval() == pytest.approx(want, rel=1e-3)

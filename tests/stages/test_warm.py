@@ -56,12 +56,14 @@ class FakeEngine(Engine):
 
 
 @pytest.fixture(autouse=True)
-def by_value(ray_cluster):
-    """Ray pickles this module's classes by reference; its workers cannot import it. Each test
-    starts and ends with no host on the worker's cluster (an earlier test file's warm engines
-    stop: they start again when next needed)."""
+def by_value(ray_cluster, monkeypatch):
+    """Ray pickles this module's classes by reference; its workers cannot import it. The fake
+    hosts live in a Ray namespace of their own (the leases run in this process, which reads
+    ``warm.NAMESPACE`` at each call), so each test starts and ends with none of them, and the
+    real warm engines that other test files left on the worker's cluster stay loaded."""
     from ray import cloudpickle
 
+    monkeypatch.setattr(warm, "NAMESPACE", "llmbatch-warm-tests")
     _stop_all_hosts()
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
     yield
@@ -118,18 +120,25 @@ def test_a_second_run_leases_the_warm_engine_of_the_first():
     assert len(warm._hosts()) == 1
 
 
-def test_other_settings_get_their_own_host_and_the_least_recently_used_makes_room():
-    names = ["a", "b", "c", "d"]
+@pytest.mark.parametrize("env", [None, "2"])
+def test_other_settings_get_their_own_host_and_the_least_recently_used_makes_room(env, monkeypatch):
+    """Up to IDLE_OTHERS_CPU (or LLMBATCH_WARM_IDLE_OTHERS) idle hosts of other settings stay."""
+    if env is None:
+        monkeypatch.delenv(warm.IDLE_OTHERS_ENV, raising=False)
+    else:
+        monkeypatch.setenv(warm.IDLE_OTHERS_ENV, env)
+    keep = warm.IDLE_OTHERS_CPU if env is None else int(env)
+    names = "abcdefgh"[:keep + 1]
     for name in names:
         _run(_answer(name))
-    assert len(set(warm._hosts().values())) == 4  # up to IDLE_OTHERS_CPU idle hosts of other settings stay
-    _run(_answer("e"))  # "a" was idle longest: it stops to make room (where memory is short, all would)
+    assert len(set(warm._hosts().values())) == keep + 1
+    _run(_answer("z"))  # "a" was idle longest: it stops to make room (where memory is short, all would)
     deadline = time.monotonic() + 30
-    while len(warm._hosts()) > warm.IDLE_OTHERS_CPU + 1 and time.monotonic() < deadline:
+    while len(warm._hosts()) > keep + 1 and time.monotonic() < deadline:
         time.sleep(0.2)
     keys = set(warm._hosts().values())
-    assert _key(_stage("a")) not in keys and _key(_stage("e")) in keys, keys
-    assert len(keys) == warm.IDLE_OTHERS_CPU + 1
+    assert _key(_stage("a")) not in keys and _key(_stage("z")) in keys, keys
+    assert len(keys) == keep + 1
 
 
 def test_an_idle_host_stops_after_keep_warm_s():

@@ -24,6 +24,12 @@ console = Console(stderr=True)
 SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="Override any job field: --set model.concurrency=2 (repeatable).")]
 
 
+def doc(config: type, field: str, note: str = "") -> str:
+    """A flag's help: the documentation of the config field it sets (one text for both, as vLLM
+    derives its CLI help from its config), and what the flag itself adds (``note``)."""
+    return " ".join(filter(None, (config.field_docs()[field], note)))
+
+
 def fail(exc: BaseException, code: int = 2) -> None:
     """Print the error in one line, never wrapped (secrets redacted), and exit with ``code``."""
     console.print(f"[bold red]error:[/bold red] {escape(redact_text(str(exc)))}", soft_wrap=True)

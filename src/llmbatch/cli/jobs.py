@@ -10,11 +10,12 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
-from llmbatch.cli.base import SetOpt, app, console, errors_in_one_line, facts
+from llmbatch.cli.base import SetOpt, app, console, doc, errors_in_one_line, facts
+from llmbatch.config import ProcessorConfig
 from llmbatch.errors import LLMBatchError
 from llmbatch.jobs.plan import plan_job, plan_lines
 from llmbatch.jobs.run import run_job
-from llmbatch.jobs.spec import load_job
+from llmbatch.jobs.spec import InputSpec, JobSpec, ModelSpec, OutputSpec, PromptSpec, load_job
 from llmbatch.jobs.status import job_status
 from llmbatch.jobs.verify import verify_job
 from llmbatch.progress import ITEMS, fmt_duration, rates_text
@@ -53,26 +54,26 @@ def _run(job, overrides, **kwargs) -> None:
 @errors_in_one_line
 def run(
     job_file: Annotated[Optional[Path], typer.Argument(help="Job file (YAML). Flags below override its fields.")] = None,
-    input: Annotated[Optional[str], typer.Option("--input", "-i", help="Input file or URL (csv, jsonl, json, parquet, hf dataset dir).")] = None,
+    input: Annotated[Optional[str], typer.Option("--input", "-i", help=doc(InputSpec, "path", "Its format (csv, jsonl, json, parquet, hf dataset dir) comes from its name."))] = None,
     openai_batch: Annotated[Optional[str], typer.Option("--openai-batch", help="An OpenAI Batch API file (JSONL requests); --output gets OpenAI's output lines, --errors the error lines.")] = None,
-    errors: Annotated[Optional[str], typer.Option("--errors", help="With --openai-batch: the error file (default: <output>.errors.jsonl).")] = None,
-    invalid_lines: Annotated[Optional[str], typer.Option("--invalid-lines", help="With --openai-batch: 'fail' (default) lists invalid lines and runs nothing; 'error' writes them to the error file and runs the rest.")] = None,
-    id_column: Annotated[Optional[str], typer.Option(help="Column with a unique id per row.")] = None,
-    limit: Annotated[Optional[int], typer.Option(min=1, help="Only the first N rows.")] = None,
-    model: Annotated[Optional[str], typer.Option("--model", "-m", help="Model: offline alias (llmbatch models list), folder, hub id, .gguf. With --task embed and no --model: all-minilm-l6-v2.")] = None,
-    system: Annotated[Optional[str], typer.Option(help="System prompt template.")] = None,
-    prompt: Annotated[Optional[str], typer.Option("--prompt", "-p", help="User prompt template, e.g. 'What industry is {Company} in?'.")] = None,
-    choices: Annotated[Optional[str], typer.Option(help="Comma-separated answers to constrain the output to.")] = None,
-    task: Annotated[Optional[str], typer.Option(help="generate (default), embed, classify or score.")] = None,
-    text_column: Annotated[Optional[str], typer.Option(help="embed/classify: the column whose text is used as is.")] = None,
-    image_column: Annotated[Optional[str], typer.Option(help="A column with an image per row (bytes, path or URL) to ask --prompt about; 'path' for a folder of images.")] = None,
-    audio_column: Annotated[Optional[str], typer.Option(help="A column with an audio clip per row (bytes, path or URL) to ask --prompt about.")] = None,
-    pair_columns: Annotated[Optional[str], typer.Option(help="score: the two columns to score, e.g. 'query,passage'.")] = None,
+    errors: Annotated[Optional[str], typer.Option("--errors", help=doc(OutputSpec, "errors_path"))] = None,
+    invalid_lines: Annotated[Optional[str], typer.Option("--invalid-lines", help=doc(InputSpec, "invalid_lines"))] = None,
+    id_column: Annotated[Optional[str], typer.Option(help=doc(InputSpec, "id_column"))] = None,
+    limit: Annotated[Optional[int], typer.Option(min=1, help=doc(InputSpec, "limit"))] = None,
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help=doc(ModelSpec, "source", "With --task embed and no --model: all-minilm-l6-v2."))] = None,
+    system: Annotated[Optional[str], typer.Option(help=doc(PromptSpec, "system"))] = None,
+    prompt: Annotated[Optional[str], typer.Option("--prompt", "-p", help=doc(PromptSpec, "user"))] = None,
+    choices: Annotated[Optional[str], typer.Option(help=doc(PromptSpec, "choices", "Comma-separated."))] = None,
+    task: Annotated[Optional[str], typer.Option(help=doc(JobSpec, "task"))] = None,
+    text_column: Annotated[Optional[str], typer.Option(help=doc(PromptSpec, "text_column"))] = None,
+    image_column: Annotated[Optional[str], typer.Option(help=doc(PromptSpec, "image_column", "'path' for a folder of images."))] = None,
+    audio_column: Annotated[Optional[str], typer.Option(help=doc(PromptSpec, "audio_column"))] = None,
+    pair_columns: Annotated[Optional[str], typer.Option(help=doc(PromptSpec, "pair_columns", "Comma-separated: 'query,passage'."))] = None,
     max_tokens: Annotated[Optional[int], typer.Option(min=1, help="Most tokens to generate per row.")] = None,
     temperature: Annotated[Optional[float], typer.Option(min=0.0, help="Sampling temperature (0: greedy).")] = None,
-    output: Annotated[Optional[str], typer.Option("--output", "-o", help="Output file (.parquet, .jsonl, .csv).")] = None,
-    job_dir: Annotated[Optional[str], typer.Option(help="Job directory (default: <output>.job).")] = None,
-    concurrency: Annotated[Optional[int], typer.Option(min=1, help="Engine replicas.")] = None,
+    output: Annotated[Optional[str], typer.Option("--output", "-o", help=doc(OutputSpec, "path", "Its format (.parquet, .jsonl, .csv) comes from its name."))] = None,
+    job_dir: Annotated[Optional[str], typer.Option(help=doc(JobSpec, "job_dir"))] = None,
+    concurrency: Annotated[Optional[int], typer.Option(min=1, help=doc(ProcessorConfig, "concurrency"))] = None,
     set_: SetOpt = None,
     force: Annotated[bool, typer.Option("--force", help="Start over even if the job directory has a different job.")] = False,
     report: Annotated[bool, typer.Option("--report", help="Also write report.png: throughput over time.")] = False,

@@ -27,6 +27,7 @@ import time
 from typing import Any
 
 from llmbatch.engines.base import Engine, Request
+from llmbatch.engines.settings import HttpSettings
 from llmbatch.engines.limits import (
     AdaptiveConcurrency,
     RateLimits,
@@ -153,23 +154,12 @@ class HttpEngine(Engine):
     #: what a row needs: its own request, or messages/prompt
     required_any = (("payload", "messages", "prompt"),)
 
-    def __init__(self, url: str, headers: dict[str, Any] | None = None, *, model: str | None = None,
-                 qps: float | None = None, tokens_per_minute: int | None = None, max_retries: int = 5,
-                 base_retry_wait_s: float = 1.0, max_concurrent_requests: int = 64, request_timeout_s: float = 600.0,
-                 dedup: bool = True, structured_fields: str = "auto", session_factory: Any = None):
-        self.url = url
-        self.headers = dict(headers or {})  # values may be Secret: shown redacted, revealed when sent
-        self.model = model
-        self.qps = qps
-        self.tokens_per_minute = tokens_per_minute
-        self.max_retries = max_retries
-        self.base_retry_wait_s = base_retry_wait_s
-        self.capacity = max_concurrent_requests
-        self.request_timeout_s = request_timeout_s
+    def __init__(self, settings: HttpSettings):
+        self.settings = settings
+        self.url = settings.url  # where payload rows go (a test points it elsewhere)
+        self.headers = dict(settings.headers or {})  # values may be Secret: shown redacted, revealed when sent
+        self.capacity = settings.max_concurrent_requests
         self.max_response_bytes = MAX_RESPONSE_BYTES
-        self.dedup = dedup
-        self.structured_fields = structured_fields
-        self.session_factory = session_factory
         self.limiter: Any = None  # the shared schedule's actor, set by prepare() in the driver
         self.session = None
         self._ids = itertools.count()
@@ -181,25 +171,25 @@ class HttpEngine(Engine):
     def prepare(self) -> None:
         """In the driver, when the processor runs: the shared rate schedule, so that the limits
         hold for every worker together."""
-        if self.qps or self.tokens_per_minute:
+        if self.settings.qps or self.settings.tokens_per_minute:
             secret = "".join(str(reveal(v)) for k, v in sorted(self.headers.items()) if k.lower() == "authorization")
-            name = limiter_name(self.url, secret, self.qps, self.tokens_per_minute)
-            self.limiter = shared_limiter(name, self.qps, self.tokens_per_minute)
+            name = limiter_name(self.url, secret, self.settings.qps, self.settings.tokens_per_minute)
+            self.limiter = shared_limiter(name, self.settings.qps, self.settings.tokens_per_minute)
 
     async def start(self) -> None:
         import aiohttp
 
-        if self.session_factory is not None:
-            self.session = self.session_factory()
+        if self.settings.session_factory is not None:
+            self.session = self.settings.session_factory()
         else:
             connector = aiohttp.TCPConnector(limit=self.capacity + 8, limit_per_host=0, enable_cleanup_closed=True)
             self.session = aiohttp.ClientSession(connector=connector)
         self._concurrency = AdaptiveConcurrency(self.capacity)
-        if self.qps or self.tokens_per_minute:
+        if self.settings.qps or self.settings.tokens_per_minute:
             if self.limiter is None:
                 logger.warning("no shared rate schedule (the processor was not run by its driver): the limits hold "
                                "per worker")
-            self._limits = RateLimits(self.limiter, self.qps, self.tokens_per_minute)
+            self._limits = RateLimits(self.limiter, self.settings.qps, self.settings.tokens_per_minute)
 
     async def restart(self) -> None:
         await self.close()
@@ -229,11 +219,11 @@ class HttpEngine(Engine):
                 body = json.dumps(payload, ensure_ascii=False).encode()
             except (TypeError, ValueError) as exc:
                 raise RowValidationError(f"'payload' cannot be sent as JSON: {exc}") from exc
-            key = hashlib.blake2b(body, digest_size=16).digest() if self.dedup and is_deterministic(payload) else None
+            key = hashlib.blake2b(body, digest_size=16).digest() if self.settings.dedup_requests and is_deterministic(payload) else None
             return Request(prompt=self.url, params=body, key=key, extra=extra)
-        kind, payload, spec = request_body(row, self.model, self.structured_fields)
+        kind, payload, spec = request_body(row, self.settings.model, self.settings.structured_output_fields)
         body = json.dumps(payload, ensure_ascii=False).encode()
-        key = hashlib.blake2b(body, digest_size=16).digest() if self.dedup and is_deterministic(payload) else None
+        key = hashlib.blake2b(body, digest_size=16).digest() if self.settings.dedup_requests and is_deterministic(payload) else None
         prompt = row["prompt"] if kind == "completions" else ""
         return Request(prompt=endpoint_url(self.url, kind), params=body, key=key,
                        extra={"kind": kind, "tokens": estimate_tokens(payload), "structured": spec, "prompt": prompt})
@@ -253,7 +243,7 @@ class HttpEngine(Engine):
             except _Retry as retry:
                 if retry.overload:
                     self._concurrency.overloaded()
-                if attempt > self.max_retries:
+                if attempt > self.settings.max_retries:
                     raise type(retry.error)(f"{retry.error} (after {attempt} attempts)") from None
                 wait = retry.wait if retry.wait is not None else self._backoff(attempt)
                 logger.debug("attempt %d failed (%s); retrying in %.2f s", attempt, retry.error, wait)
@@ -265,7 +255,7 @@ class HttpEngine(Engine):
             await asyncio.sleep(wait)
 
     def _backoff(self, attempt: int) -> float:
-        cap = min(MAX_BACKOFF_S, self.base_retry_wait_s * 2 ** (attempt - 1))
+        cap = min(MAX_BACKOFF_S, self.settings.base_retry_wait_time_in_s * 2 ** (attempt - 1))
         return cap * random.uniform(0.5, 1.0)
 
     def _headers(self, multipart: bool) -> dict[str, str]:
@@ -281,14 +271,14 @@ class HttpEngine(Engine):
 
         multipart = request.extra.get("multipart", False)
         body = form_data(request.params) if multipart else request.params
-        timeout = aiohttp.ClientTimeout(total=self.request_timeout_s)
+        timeout = aiohttp.ClientTimeout(total=self.settings.request_timeout_s)
         try:
             async with self.session.post(request.prompt, data=body, headers=self._headers(multipart),
                                          timeout=timeout) as resp:
                 status, reason, headers = resp.status, resp.reason or "", resp.headers
                 raw = await read_capped(resp, self.max_response_bytes)
         except asyncio.TimeoutError:
-            raise _Retry(EndpointTimeoutError(f"no complete answer within request_timeout_s={self.request_timeout_s:g} s"))
+            raise _Retry(EndpointTimeoutError(f"no complete answer within request_timeout_s={self.settings.request_timeout_s:g} s"))
         except aiohttp.ClientPayloadError as exc:
             raise _Retry(InvalidResponseError(f"the answer was cut off ({type(exc).__name__}: {excerpt(str(exc), 160)})"))
         except aiohttp.ClientConnectionError as exc:

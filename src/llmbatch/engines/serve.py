@@ -23,6 +23,7 @@ import time
 from typing import Any
 
 from llmbatch.engines.base import Engine, Request
+from llmbatch.engines.settings import ServeSettings
 from llmbatch.engines.openai_api import (
     CHAT,
     answer_columns,
@@ -58,17 +59,12 @@ class ServeEngine(Engine):
 
     required_any = (("request_kwargs", "messages", "prompt"),)
 
-    def __init__(self, deployment_name: str, app_name: str = "default", *, dtype_mapping: dict[str, Any] | None = None,
-                 request_timeout_s: float | None = None, model: str | None = None, max_concurrent_requests: int = 64,
-                 dedup: bool = True, structured_fields: str = "auto"):
-        self.deployment_name = deployment_name
-        self.app_name = app_name
-        self.dtype_mapping = dict(dtype_mapping or {})
-        self.request_timeout_s = request_timeout_s
-        self.model = model
-        self.capacity = max_concurrent_requests
-        self.dedup = dedup
-        self.structured_fields = structured_fields
+    def __init__(self, settings: ServeSettings):
+        self.settings = settings
+        self.deployment_name = settings.deployment_name
+        self.app_name = settings.app_name
+        self.dtype_mapping = dict(settings.dtype_mapping or {})
+        self.capacity = settings.max_concurrent_requests
         self.handle = None
         self._streaming: dict[str, bool] = {}
         self._ids = itertools.count()
@@ -112,9 +108,9 @@ class ServeEngine(Engine):
                 raise RowValidationError(f"'request_kwargs' must be a dict, got {type(kwargs).__name__}")
             dtype = self._dtype(row.get("dtype"))
             return Request(prompt=method, params=(dtype, kwargs), extra={"kind": None, "structured": None})
-        kind, body, spec = request_body(row, self.model, self.structured_fields)
+        kind, body, spec = request_body(row, self.settings.model, self.settings.structured_output_fields)
         dtype = self.dtype_mapping.get("ChatCompletionRequest" if kind == CHAT else "CompletionRequest")
-        key = json.dumps(body, sort_keys=True, default=str) if self.dedup and is_deterministic(body) else None
+        key = json.dumps(body, sort_keys=True, default=str) if self.settings.dedup_requests and is_deterministic(body) else None
         prompt = row["prompt"] if kind != CHAT else ""
         return Request(prompt=kind, params=(dtype, body), key=key,
                        extra={"kind": kind, "structured": spec, "prompt": prompt})
@@ -151,10 +147,10 @@ class ServeEngine(Engine):
         start = time.perf_counter()
         call = self._call(request.prompt, obj)
         try:
-            output = await (asyncio.wait_for(call, self.request_timeout_s) if self.request_timeout_s else call)
+            output = await (asyncio.wait_for(call, self.settings.request_timeout_s) if self.settings.request_timeout_s else call)
         except asyncio.TimeoutError:
             raise EndpointTimeoutError(f"no answer from the deployment within request_timeout_s="
-                                       f"{self.request_timeout_s:g} s") from None
+                                       f"{self.settings.request_timeout_s:g} s") from None
         except Exception as exc:
             cause = getattr(exc, "cause", None)
             if self.is_fatal(exc) or not isinstance(cause, Exception):

@@ -32,6 +32,7 @@ from typing import Any
 from llmbatch import startlog
 from llmbatch.engines.base import Engine, Request
 from llmbatch.engines.logs import EngineLog
+from llmbatch.engines.settings import SGLangSettings
 from llmbatch.engines.sglang_params import output_columns, sampling_params
 from llmbatch.engines.vllm_params import request_digest
 from llmbatch.engines.vllm_setup import one_line
@@ -126,15 +127,15 @@ def check_engine_kwargs(kwargs: dict[str, Any], known: list[str]) -> None:
 class SGLangEngine(Engine):
     """One ``sglang.Engine`` with llmbatch's request building and output shaping."""
 
-    def __init__(self, model_source: str, engine_kwargs: dict[str, Any], task_type: str = "generate"):
-        if task_type != "generate":
+    def __init__(self, settings: SGLangSettings):
+        if settings.task_type != "generate":
             raise ValueError("the SGLang engine runs task_type='generate' only")
-        self.model_source = model_source
-        self.engine_kwargs = dict(engine_kwargs)
+        self.settings = settings
+        self.model_source = settings.model_source
         self.engine = None
         self.capacity = DEFAULT_CAPACITY
         self.context_len: int | None = None
-        self.tokenizer_in_engine = not bool(self.engine_kwargs.get("skip_tokenizer_init", False))
+        self.tokenizer_in_engine = not settings.engine_kwargs.skip_tokenizer_init
         self.log: EngineLog | None = None
         #: the engine's own processes (schedulers, detokenizer): watched for life
         self.pids: list[int] = []
@@ -195,7 +196,7 @@ class SGLangEngine(Engine):
         from sglang.srt.server_args import ServerArgs
 
         self.model_path = resolve_model(self.model_source)
-        kwargs = engine_arguments(self.model_path, self.engine_kwargs)
+        kwargs = engine_arguments(self.model_path, self.settings.engine_kwargs)
         check_engine_kwargs(kwargs, list(ServerArgs.__dataclass_fields__))
         try:
             return sglang.Engine(**kwargs)

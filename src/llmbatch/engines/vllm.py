@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import dataclasses
 import json
 import logging
 import re
@@ -16,6 +17,7 @@ from typing import Any
 
 from llmbatch.engines.base import Engine, Request
 from llmbatch.engines.logs import EngineLog
+from llmbatch.engines.settings import VLLMSettings, max_model_len
 from llmbatch.engines.lora import Adapters, base_rows_apart
 from llmbatch.engines.pooling import as_floats, classification, cosine, pooling_params
 from llmbatch.engines.vllm_params import (
@@ -45,19 +47,13 @@ SHUTDOWN_TIMEOUT_S = 2.0
 class VLLMEngine(Engine):
     """One vLLM ``AsyncLLM`` with llmbatch's request building and output shaping."""
 
-    def __init__(self, model_source: str, engine_kwargs: dict[str, Any], task_type: str = "generate",
-                 dynamic_lora_loading_path: str | None = None, replicas_per_node: int = 1,
-                 detokenize_after: bool = False, log_metrics: bool = False):
-        self.model_source = model_source
-        #: export vLLM's engine metrics through Ray's metrics (Ray's ``log_engine_metrics``)
-        self.log_metrics = log_metrics
+    def __init__(self, settings: VLLMSettings):
+        self.settings = settings
+        self.model_source = settings.model_source
+        self.task_type = settings.task_type
         #: the detokenize stage decodes answers once at the end, so the engine's front-end can
         #: skip incremental detokenization (per token, per step) where nothing needs the text early
-        self.detokenize_after = detokenize_after
-        self.engine_kwargs = dict(engine_kwargs)
-        self.task_type = task_type
-        self.dynamic_lora_loading_path = dynamic_lora_loading_path
-        self.replicas_per_node = replicas_per_node
+        self.detokenize_after = settings.detokenize_stage and settings.task_type == "generate"
         self.llm = None
         self.capacity = 256
         self.max_model_len: int | None = None
@@ -78,16 +74,14 @@ class VLLMEngine(Engine):
     def warm_key(self) -> str:
         """What makes two of these engines interchangeable (a warm engine host serves every run
         whose engine has the same key: :mod:`llmbatch.stages.warm`)."""
-        return json.dumps(["vllm", self.model_source, self.engine_kwargs, self.task_type,
-                           self.dynamic_lora_loading_path, self.replicas_per_node, self.detokenize_after,
-                           self.log_metrics], sort_keys=True, default=str)
+        return json.dumps(["vllm", dataclasses.asdict(self.settings)], sort_keys=True, default=str)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def start(self) -> None:
         self.begin()
         with startlog.timed("vllm-engine", model=self.model_source, task=self.task_type,
-                            engine_kwargs=self.engine_kwargs), self.log.capture():
+                            engine_kwargs=self.settings.engine_kwargs), self.log.capture():
             await self._start()
         self.log.take_loggers()
 
@@ -99,7 +93,7 @@ class VLLMEngine(Engine):
         watch_children()  # the engine's processes never outlive this replica
         if self._fork_server is None:
             with self.log.capture():  # the server's output goes to the engine log
-                self._fork_server = vllm_procs.wanted(self.engine_kwargs)
+                self._fork_server = vllm_procs.wanted(self.settings.engine_kwargs)
                 if self._fork_server:
                     engine_env()
                     self._fork_server = vllm_procs.start_server()
@@ -109,10 +103,12 @@ class VLLMEngine(Engine):
         from vllm.usage.usage_lib import UsageContext
 
         self.model_path = resolve_model(self.model_source)
-        kwargs = engine_arguments(self.model_path, self.engine_kwargs, self.task_type, self.replicas_per_node,
-                                  self.dynamic_lora_loading_path)
+        kwargs = engine_arguments(self.model_path, self.settings.engine_kwargs, self.task_type,
+                                  self.settings.max_replicas(), self.settings.dynamic_lora_loading_path)
+        if "max_model_len" not in kwargs and (length := max_model_len(self.model_source, self.settings.engine_kwargs)):
+            kwargs["max_model_len"] = length  # the tokenize stage's limit too: one number
         stat_loggers = None
-        if self.log_metrics:
+        if self.settings.log_engine_metrics:
             kwargs["disable_log_stats"] = False
             stat_loggers = [ray_stat_logger()]
         try:
@@ -151,7 +147,7 @@ class VLLMEngine(Engine):
         self.labels = id2label(self.model_path)
         lora = config.lora_config
         if lora is not None:
-            self.adapters = Adapters(self.dynamic_lora_loading_path, lora.max_lora_rank,
+            self.adapters = Adapters(self.settings.dynamic_lora_loading_path, lora.max_lora_rank,
                                      (self.model_source, self.model_path))
             self.base_rows_apart = base_rows_apart(self.on_cpu)
         self.capacity = config.scheduler_config.max_num_seqs * config.parallel_config.pipeline_parallel_size

@@ -32,6 +32,8 @@ import threading
 from multiprocessing import context as mp_context
 from typing import Any
 
+from llmbatch.engines.settings import EngineKwargs
+
 logger = logging.getLogger(__name__)
 
 #: What the fork server imports before it forks anything: vLLM's engine process and executors.
@@ -87,16 +89,11 @@ _CONTEXT = _EnvForkServerContext()
 _ENGINE_FIRST = threading.Lock()
 
 
-def wanted(engine_kwargs: dict[str, Any]) -> bool:
+def wanted(engine_kwargs: EngineKwargs) -> bool:
     """Whether this replica's engine process should come from the fork server: in a Ray actor,
     for a single-process engine, unless LLMBATCH_ENGINE_FORK_SERVER=0."""
-    return os.environ.get("LLMBATCH_ENGINE_FORK_SERVER", "1") != "0" and single_process(engine_kwargs) and in_ray_actor()
-
-
-def single_process(engine_kwargs: dict[str, Any]) -> bool:
-    """Whether this engine runs in one engine process (what the fork server serves)."""
-    return all(int(engine_kwargs.get(key) or 1) == 1
-               for key in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"))
+    return (os.environ.get("LLMBATCH_ENGINE_FORK_SERVER", "1") != "0" and engine_kwargs.single_process()
+            and in_ray_actor())
 
 
 def in_ray_actor() -> bool:

@@ -72,14 +72,15 @@ def on_cpu() -> bool:
 KV_BYTES_ENV = "LLMBATCH_CPU_KV_CACHE_BYTES"
 
 
-def cpu_kv_cache_bytes(replicas_per_node: int = 1) -> int:
-    """A KV cache size that fits beside everything else: 15% of free memory per replica,
-    between 0.5 and 4 GiB; or ``LLMBATCH_CPU_KV_CACHE_BYTES``."""
+def cpu_kv_cache_bytes(replicas: int = 1) -> int:
+    """A KV cache size that fits beside everything else: 15% of free memory per replica (the
+    processor's ``concurrency``, its max: all of them may land on this machine), between 0.5
+    and 4 GiB; or ``LLMBATCH_CPU_KV_CACHE_BYTES``."""
     import psutil
 
     if os.environ.get(KV_BYTES_ENV):
         return int(os.environ[KV_BYTES_ENV])
-    share = psutil.virtual_memory().available * 0.15 / max(1, replicas_per_node)
+    share = psutil.virtual_memory().available * 0.15 / max(1, replicas)
     return int(min(4 * GiB, max(GiB // 2, share)))
 
 
@@ -136,7 +137,7 @@ def cpu_dtype(model_path: str) -> str | None:
 
 
 def engine_arguments(model_path: str, engine_kwargs: dict[str, Any], task_type: str,
-                     replicas_per_node: int = 1, lora_root: str | None = None) -> dict[str, Any]:
+                     replicas: int = 1, lora_root: str | None = None) -> dict[str, Any]:
     """The full keyword arguments for ``vllm.AsyncEngineArgs``."""
     kwargs = dict(engine_kwargs)
     kwargs.pop("task_type", None)
@@ -154,7 +155,7 @@ def engine_arguments(model_path: str, engine_kwargs: dict[str, Any], task_type: 
         if "dtype" not in kwargs and (dtype := cpu_dtype(model_path)):
             kwargs["dtype"] = dtype
         if "gpu_memory_utilization" not in kwargs and "kv_cache_memory_bytes" not in kwargs:
-            kwargs["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(replicas_per_node)
+            kwargs["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(replicas)
     return {"model": model_path, **kwargs}
 
 

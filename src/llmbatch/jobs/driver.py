@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from llmbatch.builders import build_internal_processor
+from llmbatch.builders import build_layout
 from llmbatch.cluster import ensure_ray
 from llmbatch.codec import decode_rows, encode_rows, rows_to_table
 from llmbatch.errors import EngineStartError, JobError, LLMBatchError, RowError
@@ -30,6 +30,7 @@ from llmbatch.jobs.tally import Tally
 from llmbatch.processor import Processor
 from llmbatch.progress import Progress
 from llmbatch.rows import ANSWER, ERROR_COLUMN, PRIVATE_PREFIX, ROW_ID, STATS
+from llmbatch.stages.output import OutputStage
 
 logger = logging.getLogger(__name__)
 
@@ -40,10 +41,10 @@ MAX_PASSES = 3
 
 def build_job_processor(job: Job) -> Processor:
     """The processor a job runs: its config, its kind's preprocess (the prompt) and
-    postprocess, and the job's private columns (row id, per-row engine facts) kept for the
-    driver."""
-    return build_internal_processor(job.config, preprocess=job.preprocess(), postprocess=job.postprocess(),
-                                    keep_private=(ROW_ID, STATS, ANSWER), encoded_output=True)
+    postprocess, and an output stage that keeps the job's private columns (row id, per-row
+    engine facts) for the driver."""
+    return Processor(job.config, build_layout(job.config, preprocess=job.preprocess(), postprocess=job.postprocess(),
+                                              output=OutputStage(keep_private=(ROW_ID, STATS, ANSWER), encoded=True)))
 
 
 def answer_tag(job: Job) -> str:

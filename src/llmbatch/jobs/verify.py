@@ -28,14 +28,16 @@ from typing import Any
 import numpy as np
 
 from llmbatch.codec import decode_rows
-from llmbatch.builders import build_internal_processor
+from llmbatch.builders import build_layout
 from llmbatch.errors import ConfigError
 from llmbatch.jobs.driver import build_job_processor, quiet_ray_data, todo_dataset
 from llmbatch.jobs.ingest import INGEST_ROWS, input_rows
 from llmbatch.jobs.kinds import job_for
 from llmbatch.jobs.run import resolve_spec
 from llmbatch.jobs.store import JobDir
+from llmbatch.processor import Processor
 from llmbatch.rows import ERROR_COLUMN, PRIVATE_PREFIX, ROW_ID, is_error
+from llmbatch.stages.output import OutputStage
 
 #: Columns that differ between two runs of the same request (timings, ids of the run).
 VOLATILE = {"time_taken_llm", "request_id", "batch_uuid", "num_cached_tokens", "time_taken", ERROR_COLUMN}
@@ -221,7 +223,8 @@ def verify_rows(config: Any, rows: list[dict[str, Any]], answers: list[dict[str,
         again = config.model_copy(update={"engine_kwargs": {**getattr(config, "engine_kwargs", {}), **ONE_AT_A_TIME},
                                           "dedup_requests": False, "concurrency": 1,
                                           "should_continue_on_error": True})
-        processor = build_internal_processor(again, preprocess=preprocess, postprocess=postprocess, keep_private=(ROW_ID,))
+        processor = Processor(again, build_layout(again, preprocess=preprocess, postprocess=postprocess,
+                                                  output=OutputStage(keep_private=(ROW_ID,))))
         tagged = [{**rows[i], ROW_ID: i} for i in chosen]
         out_rows = {int(r[ROW_ID]): r for r in processor(ray.data.from_items(tagged)).take_all()}
         for i in chosen:

@@ -35,6 +35,9 @@ import threading
 from collections.abc import AsyncIterator
 from typing import ClassVar
 
+import pyarrow as pa
+
+from llmbatch.codec import encode_rows
 from llmbatch.rows import ERROR_COLUMN, Row, error_text, is_error
 
 
@@ -189,6 +192,11 @@ class Stage:
         through)."""
         await asyncio.wrap_future(cpu_thread().submit(self.position, self._process, rows))
         yield rows
+
+    def to_table(self, rows: list[Row]) -> pa.Table:
+        """The operator's output when this stage is its last: rows encoded for the next operator
+        (:class:`~llmbatch.stages.output.OutputStage` shapes the processor's output instead)."""
+        return encode_rows(rows)
 
     def _process(self, rows: list[Row]) -> None:
         self.ensure_setup()

@@ -49,7 +49,7 @@ class EngineStage(Stage):
     name = "engine"
     starts_engine = True
 
-    def __init__(self, engine: Engine, *, max_pending_requests: int | None = None, dedup: bool = True,
+    def __init__(self, engine: Engine, *, max_pending_requests: int | None = None, dedup_requests: bool = True,
                  sort_by_prefix: bool = True, max_attempts: int = 3, flush_rows: int = 16,
                  flush_seconds: float = 0.5, structured_output_errors: str = "error",
                  lora_base_rows_apart: bool | None = None):
@@ -63,7 +63,7 @@ class EngineStage(Stage):
         # or a prompt for an endpoint)
         self.required_any = engine.required_any
         self.max_pending_requests = max_pending_requests
-        self.dedup = dedup
+        self.dedup_requests = dedup_requests
         self.sort_by_prefix = sort_by_prefix
         self.max_attempts = max_attempts
         self.flush_rows = flush_rows
@@ -199,7 +199,7 @@ class EngineStage(Stage):
 
     async def _answer(self, request: Request) -> tuple[dict[str, Any], bool]:
         """The output for a request and whether it was copied from an identical one."""
-        key = request.key if self.dedup else None
+        key = request.key if self.dedup_requests else None
         if key is None:
             return await self._run(request), False
         if key in self._known:

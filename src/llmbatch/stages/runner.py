@@ -6,7 +6,8 @@ batch, and yields rows as soon as the stages let go of them, so Ray Data moves t
 the rest of the batch is still in the engine.
 
 Between operators a row travels encoded (:mod:`llmbatch.codec`); the first operator reads the
-user's columns, the last one turns rows into typed Arrow columns.
+user's columns; what leaves an operator is its last stage's to say (the last operator's is the
+layout's :class:`~llmbatch.stages.output.OutputStage`).
 """
 
 from __future__ import annotations
@@ -21,18 +22,10 @@ from typing import Any
 
 import pyarrow as pa
 
-from llmbatch.codec import decode_rows, empty_engine_output, encode_rows, rows_to_table
+from llmbatch.codec import decode_rows
 from llmbatch.errors import RowError
-from llmbatch.rows import (
-    ERROR_COLUMN,
-    PRIVATE_PREFIX,
-    Row,
-    describe_row,
-    is_error,
-    parse_error,
-)
+from llmbatch.rows import ERROR_COLUMN, Row, describe_row, is_error, parse_error
 from llmbatch.stages.base import Stage
-from llmbatch.stages.user_fns import PostprocessStage, default_output
 from llmbatch.watchdog import Heartbeat, wait_for_peers
 
 logger = logging.getLogger(__name__)
@@ -79,29 +72,18 @@ async def run_stages(stages: list[Stage], rows: list[Row], index: int = 0) -> As
 class StageRunner:
     """A Ray Data callable class that runs ``stages`` over each batch (see module docstring).
 
-    ``sink``: this is the last operator; rows leave as the user's output rows: typed columns,
-    or, with ``encoded_output``, still encoded (the job driver types them when it commits).
+    The last stage says what leaves (:meth:`~llmbatch.stages.base.Stage.to_table`): rows
+    encoded for the next operator, or, in the last operator, the processor's output rows.
     ``continue_on_error``: error rows travel on as rows; off, the first one fails the run.
-    ``keep_private``: private keys to keep in the sink's output (the job layer's row ids).
     """
 
-    def __init__(self, stages: list[Stage], *, sink: bool = False, encoded_output: bool = False,
-                 task_type: str = "generate", continue_on_error: bool = True,
-                 keep_private: tuple[str, ...] = (), run_id: str | None = None, role: str = "",
-                 peers: int = 1, peer_wait_s: float = 300.0):
+    def __init__(self, stages: list[Stage], *, continue_on_error: bool = True, run_id: str | None = None,
+                 role: str = "", peers: int = 1, peer_wait_s: float = 300.0):
         self.stages = stages
-        # the user's postprocess shapes the output rows (also where a warm host runs it: the
-        # chain of llmbatch.stages.warm)
-        self._postprocess = any(isinstance(inner, PostprocessStage) for s in stages
-                                for inner in getattr(s, "chain", [s]))
         for position, stage in enumerate(stages):
             stage.position = position
-        self.sink = sink
-        self.encoded_output = encoded_output
-        self._json_columns: set[str] = set()
-        self.task_type = task_type
+        self._last = stages[-1] if stages else Stage()
         self.continue_on_error = continue_on_error
-        self.keep_private = keep_private
         self._state = "starting"
         self._waiting_since = 0.0
         self._heartbeat = None
@@ -143,25 +125,6 @@ class StageRunner:
                 "in_flight": sum(getattr(s, "in_flight", 0) for s in self.stages),
                 "done": sum(getattr(s, "done", 0) for s in self.stages)}
 
-    def _output_row(self, row: Row) -> dict[str, Any]:
-        private = {k: row[k] for k in self.keep_private if k in row}
-        if is_error(row):
-            out = default_output(row)
-            for key, value in empty_engine_output(self.task_type, row).items():
-                out.setdefault(key, value)
-            out.update(private)
-            return out
-        if self._postprocess:
-            out = {k: v for k, v in row.items() if not k.startswith(PRIVATE_PREFIX)}
-            # a job's driver (encoded output) reads every row's error column: the row's state
-            if not self.continue_on_error and not self.encoded_output:
-                out.pop(ERROR_COLUMN, None)
-        else:
-            out = default_output(row)
-            out.setdefault(ERROR_COLUMN, "")
-        out.update(private)
-        return out
-
     def _stop_at_errors(self, chunk: list[Row]) -> None:
         """Without continue_on_error, the first error row fails the run, naming the row."""
         failed = next((r for r in chunk if is_error(r)), None)
@@ -176,12 +139,7 @@ class StageRunner:
                 continue
             if not self.continue_on_error:
                 self._stop_at_errors(chunk)
-            if self.sink and self.encoded_output:
-                yield encode_rows([self._output_row(r) for r in chunk])
-            elif self.sink:
-                yield rows_to_table([self._output_row(r) for r in chunk], self._json_columns)
-            else:
-                yield encode_rows(chunk)
+            yield self._last.to_table(chunk)
 
     def __del__(self):
         heartbeat = getattr(self, "_heartbeat", None)

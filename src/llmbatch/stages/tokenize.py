@@ -13,9 +13,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from llmbatch.engines.settings import EngineKwargs, max_model_len
 from llmbatch.engines.vllm_params import pair_tokens
 from llmbatch.errors import PromptTooLongError, RowValidationError
-from llmbatch.models import is_sequence_classifier, load_tokenizer, model_max_len, resolve_model
+from llmbatch.models import is_sequence_classifier, load_tokenizer, resolve_model
 from llmbatch.rows import ADD_SPECIAL_TOKENS, DEFAULT_MAX_TOKENS, OPENAI, Row, text_pair
 from llmbatch.stages.base import Stage
 from llmbatch.stages.pieces import PieceEncoder
@@ -28,11 +29,15 @@ class TokenizeStage(Stage):
     name = "tokenize"
     required_any = (("prompt", "text_1", "query"),)
 
-    def __init__(self, model_source: str, max_model_len: int | None = None, trust_remote_code: bool = False,
-                 task: str = "generate"):
+    def __init__(self, model_source: str, engine_kwargs: EngineKwargs | None = None, trust_remote_code: bool = False,
+                 task: str = "generate", engine_model: str | None = None):
         super().__init__()
         self.model_source = model_source
-        self.max_model_len = max_model_len
+        #: the engine's model and settings: its context length is this stage's limit (one number
+        #: for both: engines.settings.max_model_len), whichever model's tokenizer this stage uses
+        self.engine_model = engine_model or model_source
+        self.engine_kwargs = EngineKwargs(engine_kwargs or {})
+        self.max_model_len: int | None = None
         self.trust_remote_code = trust_remote_code
         self.task = task
         self.generate = task == "generate"
@@ -45,8 +50,7 @@ class TokenizeStage(Stage):
         # templated prompts share most of their text: each distinct piece is encoded once
         self.pieces = PieceEncoder(self.tokenizer)
         path = resolve_model(self.model_source)
-        if self.max_model_len is None:
-            self.max_model_len = model_max_len(path)
+        self.max_model_len = max_model_len(self.engine_model, self.engine_kwargs)
         self.cross_encoder = self.task == "score" and is_sequence_classifier(path)
 
     def check_prompt(self, row: Row) -> None:

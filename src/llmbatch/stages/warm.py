@@ -61,13 +61,26 @@ PREFIX = "llmbatch-warm"
 KEEP_WARM_ENV = "LLMBATCH_KEEP_WARM_S"
 #: Leases a replica takes before its run fails (a host that died mid-run, a lease lost).
 LEASE_ATTEMPTS = 3
-#: Idle hosts of other settings kept when a new host starts, on a cluster without GPUs.
+#: Idle hosts of other settings kept when a new host starts, on a cluster without GPUs (where
+#: ``LLMBATCH_WARM_IDLE_OTHERS`` sets no other number: a machine with the memory for more engines,
+#: a test suite that goes back to a setting after others).
 IDLE_OTHERS_CPU = 3
+IDLE_OTHERS_ENV = "LLMBATCH_WARM_IDLE_OTHERS"
 #: Where less than this share of the machine's memory is available, a new host starts only after
 #: every idle host of other settings has stopped.
 ROOM_FRACTION = 0.35
 #: The row key that tells a replica which of its rows came back from the host.
 _INDEX = f"{PRIVATE_PREFIX}warm_i"
+
+
+def idle_others_cpu() -> int:
+    """How many idle hosts of other settings a CPU cluster keeps: ``LLMBATCH_WARM_IDLE_OTHERS``,
+    else :data:`IDLE_OTHERS_CPU` (memory still rules: below :data:`ROOM_FRACTION` none stays)."""
+    raw = os.environ.get(IDLE_OTHERS_ENV, "").strip()
+    try:
+        return max(0, int(raw)) if raw else IDLE_OTHERS_CPU
+    except ValueError:
+        raise ConfigError(f"{IDLE_OTHERS_ENV}={raw!r} is not a whole number; set it to e.g. 3, or unset it") from None
 
 
 def keep_warm_default() -> float:
@@ -149,7 +162,7 @@ async def lease(chain: list[Stage], key: str, keep_warm_s: float,
         name = next((n for n in sorted(hosts) if n not in tried), None)
         if name is None:  # every host of these settings is busy: one more
             await _stop_idle_others(key, 0 if host_resources.get("num_gpus") or short_of_memory(ROOM_FRACTION)
-                                    else IDLE_OTHERS_CPU)
+                                    else idle_others_cpu())
             taken = set(_hosts())
             name = next(f"{PREFIX}:{key}:{n}" for n in range(len(taken) + 1) if f"{PREFIX}:{key}:{n}" not in taken)
             options = {"name": name, "namespace": NAMESPACE, "lifetime": "detached", "get_if_exists": True,
