@@ -59,6 +59,7 @@ def test_answer_records_are_tagged_with_the_model_settings_not_placement(tmp_pat
     import textwrap
 
     from llmbatch.jobs.driver import answer_tag
+    from llmbatch.jobs.kinds import job_for
     from llmbatch.jobs.spec import load_job
 
     (tmp_path / "data.csv").write_text("Index,Company\n1,Acme\n")
@@ -68,11 +69,11 @@ def test_answer_records_are_tagged_with_the_model_settings_not_placement(tmp_pat
         prompt: {user: "Which industry is {Company} in?"}
         output: {path: out/result.parquet}
     """))
-    tag = answer_tag(load_job(tmp_path / "job.yaml"))
-    assert answer_tag(load_job(tmp_path / "job.yaml", overrides=["model.concurrency=2"])) == tag
+    tag = answer_tag(job_for(load_job(tmp_path / "job.yaml")))
+    assert answer_tag(job_for(load_job(tmp_path / "job.yaml", overrides=["model.concurrency=2"]))) == tag
     # another dtype or model: the job's recorded answers are not copied, they are recomputed
-    assert answer_tag(load_job(tmp_path / "job.yaml", overrides=["model.engine_kwargs.dtype=float32"])) != tag
-    assert answer_tag(load_job(tmp_path / "job.yaml", overrides=["model.source=all-minilm-l6-v2"])) != tag
+    assert answer_tag(job_for(load_job(tmp_path / "job.yaml", overrides=["model.engine_kwargs.dtype=float32"]))) != tag
+    assert answer_tag(job_for(load_job(tmp_path / "job.yaml", overrides=["model.source=all-minilm-l6-v2"]))) != tag
 
 
 def test_answered_rows_are_committed_on_time_while_no_new_batch_arrives(tmp_path):

@@ -20,8 +20,9 @@ from llmbatch.codec import rows_to_table
 from llmbatch.errors import JobError
 from llmbatch.jobs.identity import result_fields
 from llmbatch.jobs.ingest import input_rows
+from llmbatch.jobs.kinds import job_for
 from llmbatch.jobs.output import CRASH_ENV
-from llmbatch.jobs.run import _ingest, open_job, run_job
+from llmbatch.jobs.run import open_job, read_input, run_job
 from llmbatch.jobs.spec import load_job
 from llmbatch.jobs.status import job_status
 from llmbatch.jobs.store import JobDir
@@ -64,8 +65,9 @@ def answer(job: JobDir, ids, error_ids=()):
 def staged_job(tmp_path, **answer_kwargs):
     spec = load_job(write_job(tmp_path))
     job = JobDir(spec.resolved_job_dir())
-    meta = open_job(job, spec)
-    _ingest(job, spec, meta)
+    opened = job_for(spec)
+    open_job(opened)
+    read_input(opened)
     answer(job, set(range(ROWS)), **answer_kwargs)
     return spec, job
 
@@ -92,7 +94,7 @@ def test_lock_is_taken_before_anything_changes(tmp_path):
 def test_force_keeps_the_lock_file_it_holds(tmp_path):
     spec, job = staged_job(tmp_path)
     with job.locked():
-        meta = open_job(job, spec, force=True)
+        meta = open_job(job_for(spec), force=True)
         assert not meta.ingested and (job.root / "lock").exists() and not job.parts_dir.exists()
 
 
@@ -204,7 +206,7 @@ def test_resume_never_reruns_error_rows_and_retry_errors_runs_only_them(tmp_path
 
     asked = []
 
-    def execute(job_dir, spec, meta, todo, done, progress):
+    def execute(job, todo, done, progress):
         asked.extend(int(i) for i in todo.nonzero()[0])
         raise KeyboardInterrupt  # stop there: no engine in this test
 

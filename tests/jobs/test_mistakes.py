@@ -176,7 +176,8 @@ def test_retry_errors_with_no_error_rows_starts_nothing(workdir):
     """A job that finished without errors: retry-errors says so (0 rows) and runs nothing."""
     import pyarrow as pa
 
-    from llmbatch.jobs.run import _ingest, open_job
+    from llmbatch.jobs.kinds import job_for
+    from llmbatch.jobs.run import open_job, read_input
     from llmbatch.jobs.spec import load_job
     from llmbatch.jobs.store import JobDir
     from llmbatch.rows import ERROR_COLUMN, ROW_ID
@@ -185,7 +186,9 @@ def test_retry_errors_with_no_error_rows_starts_nothing(workdir):
     spec = load_job(data={"input": {"path": str(workdir / "in.csv")}, "model": {"source": SMOL},
                           "prompt": {"user": "Say {a}"}, "output": {"path": str(workdir / "out.parquet")}})
     job = JobDir(spec.resolved_job_dir())
-    meta = _ingest(job, spec, open_job(job, spec))
+    opened = job_for(spec)
+    open_job(opened)
+    meta = read_input(opened)
     job.commit(pa.table({ROW_ID: [0, 1], ERROR_COLUMN: ["", ""], "generated_text": ["1", "3"]}))
     meta.finished = {"parts_upto": 0}
     job.write_meta(meta)
@@ -270,7 +273,7 @@ def test_a_run_refused_by_the_lock_leaves_the_other_drivers_new_job_alone(tmp_pa
     # this run looked before the other one made the folder
     monkeypatch.setattr(run_module, "first_missing", lambda root: tmp_path / "out")
     with job.locked():  # the other driver: its job.json written, its input not read yet
-        run_module.open_job(job, spec)
+        run_module.open_job(run_module.job_for(spec))
         with pytest.raises(JobError, match="another process"):
             run_module.run_job(spec, quiet=True)
         assert job.meta_path.exists()

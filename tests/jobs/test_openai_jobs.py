@@ -7,7 +7,7 @@ import json
 import pytest
 
 from llmbatch.errors import ConfigError
-from llmbatch.jobs.identity import result_fields
+from llmbatch.jobs.kinds import job_for
 from llmbatch.jobs.openai_batch import errors_path, served_names
 from llmbatch.jobs.spec import load_job
 
@@ -25,7 +25,7 @@ def test_a_batch_job_needs_no_prompt_and_takes_its_model_from_the_file(tmp_path)
     assert spec.model.source == "smollm2-135m-instruct" and spec.output.format == "openai-batch"
     assert errors_path(spec) == str(tmp_path / "results.errors.jsonl")
     assert served_names(spec) == ["smollm2-135m-instruct"]
-    assert result_fields(spec)["input.invalid_lines"] == "fail"
+    assert job_for(spec).result_fields["input.invalid_lines"] == "fail"
 
 
 def test_an_embedding_model_or_file_runs_as_embed(tmp_path):
@@ -54,12 +54,10 @@ def test_openai_output_needs_openai_input(tmp_path):
 
 
 def test_a_line_naming_a_served_name_asks_the_base_model_not_an_adapter_of_that_name(tmp_path):
-    from llmbatch.jobs.prompts import job_preprocess
-
     spec = load_job(data={"input": {"path": write(tmp_path, model="team-llm"), "format": "openai-batch"},
                           "model": {"source": "smollm2-135m-instruct", "served_model_name": ["team-llm", "alt"]},
                           "output": {"path": str(tmp_path / "results.jsonl")}})
-    pre = job_preprocess(spec)
+    pre = job_for(spec).preprocess()
     body = {"messages": [{"role": "user", "content": "hi"}]}
     for name in ("team-llm", "alt", "smollm2-135m-instruct"):
         row = {"url": "/v1/chat/completions", "model": name, "body": json.dumps({**body, "model": name})}

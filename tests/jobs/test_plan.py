@@ -54,3 +54,24 @@ def test_plan_for_a_hosted_endpoint_estimates_tokens_and_time_from_its_limits(tm
     assert plan["estimate"]["method"].startswith("rate limits")
     # the tokens bind (6000/min = 100/s), not the 10 requests/s
     assert abs(plan["estimate"]["seconds"] - 100 * per_row / 100 * 1.05) < 3
+
+
+def test_plan_counts_as_duplicates_only_the_requests_the_engine_stage_answers_once(tmp_path, smollm2):
+    """The plan asks the engine for each row's request key, as the engine stage dedups: greedy
+    rows that repeat are answered once, sampled ones each run (their answers differ)."""
+    (tmp_path / "c.csv").write_text("Index,Company\n" + "".join(f"{i},{'Acme' if i % 2 else 'Globex'}\n"
+                                                               for i in range(1, 11)))
+    (tmp_path / "job.yaml").write_text(textwrap.dedent("""
+        input: {path: c.csv, id_column: Index}
+        model: {source: smollm2-135m-instruct, engine_kwargs: {max_model_len: 256}}
+        prompt: {user: "Which industry is {Company} in?"}
+        sampling_params: {temperature: 0, max_tokens: 8}
+        output: {path: out.parquet}
+    """))
+    greedy = plan_job(load_job(tmp_path / "job.yaml"))
+    assert greedy["rows"] == 10 and greedy["unique_requests"] == 2 and greedy["duplicate_requests"] == 8
+    sampled = plan_job(load_job(tmp_path / "job.yaml", overrides=["sampling_params.temperature=0.8"]))
+    assert sampled["unique_requests"] == 10 and sampled["duplicate_requests"] == 0
+    seeded = plan_job(load_job(tmp_path / "job.yaml", overrides=["sampling_params.temperature=0.8",
+                                                                 "sampling_params.seed=7"]))
+    assert seeded["unique_requests"] == 2

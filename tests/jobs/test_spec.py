@@ -8,6 +8,7 @@ import pytest
 
 from llmbatch.errors import ConfigError, JobError
 from llmbatch.jobs.identity import numerics_fields, result_fields
+from llmbatch.jobs.kinds import job_for
 from llmbatch.jobs.run import open_job, run_job
 from llmbatch.jobs.spec import load_job, template_fields
 from llmbatch.jobs.store import JobDir
@@ -93,31 +94,32 @@ def test_duplicate_ids_fail_before_inference(tmp_path):
 
 
 def test_changed_config_or_input_is_refused(job_file, tmp_path):
-    from llmbatch.jobs.run import _ingest
+    from llmbatch.jobs.run import read_input
 
     spec = load_job(job_file)
     job = JobDir(spec.resolved_job_dir())
-    meta = open_job(job, spec)
-    _ingest(job, spec, meta)
+    opened = job_for(spec)
+    open_job(opened)
+    read_input(opened)
     # placement changes resume silently
-    open_job(job, load_job(job_file, overrides=["model.accelerator_type=L4", "model.stall_timeout_s=60"]))
+    open_job(job_for(load_job(job_file, overrides=["model.accelerator_type=L4", "model.stall_timeout_s=60"])))
     assert not job.meta().config_history
     # batching/parallelism changes resume, with a warning recorded in job.json
-    open_job(job, load_job(job_file, overrides=["model.concurrency=3", "model.batch_size=7",
-                                                "model.engine_kwargs.max_num_seqs=8"]))
+    open_job(job_for(load_job(job_file, overrides=["model.concurrency=3", "model.batch_size=7",
+                                                "model.engine_kwargs.max_num_seqs=8"])))
     history = job.meta().config_history
     assert history[-1]["kind"] == "numerics"
     assert any("max_num_seqs" in c for c in history[-1]["changes"]) and "near-ties" in job.log_path.read_text()
     with pytest.raises(JobError) as err:
-        open_job(job, load_job(job_file, overrides=["sampling_params.temperature=0.7"]))
+        open_job(job_for(load_job(job_file, overrides=["sampling_params.temperature=0.7"])))
     assert "sampling_params.temperature: 0 -> 0.7" in str(err.value) and "--force" in str(err.value)
     with pytest.raises(JobError, match="engine_kwargs.max_model_len"):
-        open_job(job, load_job(job_file, overrides=["model.engine_kwargs.max_model_len=1024"]))
+        open_job(job_for(load_job(job_file, overrides=["model.engine_kwargs.max_model_len=1024"])))
     (tmp_path / "data.csv").write_text("Index,Company,City\n1,Acme,Paris\n2,Globex,Rome\n3,Initech,Bergen\n")
     with pytest.raises(JobError, match="changed since the job started"):
-        open_job(job, spec)
+        open_job(job_for(spec))
     # --force starts over
-    meta2 = open_job(job, spec, force=True)
+    meta2 = open_job(job_for(spec), force=True)
     assert not meta2.ingested
 
 

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+import functools
+from collections.abc import Callable
+from typing import Annotated, Any, Optional, TypeVar
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from llmbatch.errors import LLMBatchError
 from llmbatch.redact import redact_text
 
 # click's plain help: a switch reads `--force`, not `--force <bool>`, and the help fits 80 columns
@@ -31,6 +34,23 @@ def fail(exc: BaseException, code: int = 2) -> None:
     """Print the error in one line, never wrapped (secrets redacted), and exit with ``code``."""
     console.print(f"[bold red]error:[/bold red] {escape(redact_text(str(exc)))}", soft_wrap=True)
     raise typer.Exit(code)
+
+
+Command = TypeVar("Command", bound=Callable[..., Any])
+
+
+def errors_in_one_line(command: Command) -> Command:
+    """A command whose llmbatch errors are printed by :func:`fail` (one line, exit code 2), not
+    as a traceback; its signature (Typer's options) is the command's own."""
+
+    @functools.wraps(command)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return command(*args, **kwargs)
+        except LLMBatchError as exc:
+            fail(exc)
+
+    return run  # type: ignore[return-value]
 
 
 def facts(title: str) -> Table:

@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
-from llmbatch.cli.base import SetOpt, app, console, doc, facts, fail
+from llmbatch.cli.base import SetOpt, app, console, doc, errors_in_one_line, facts
 from llmbatch.config import ProcessorConfig
 from llmbatch.errors import LLMBatchError
 from llmbatch.jobs.plan import plan_job, plan_lines
@@ -47,14 +47,11 @@ def _finish(result) -> None:
 
 
 def _run(job, overrides, **kwargs) -> None:
-    try:
-        result = run_job(job, overrides=overrides, **kwargs)
-    except LLMBatchError as exc:
-        fail(exc)
-    _finish(result)
+    _finish(run_job(job, overrides=overrides, **kwargs))
 
 
 @app.command()
+@errors_in_one_line
 def run(
     job_file: Annotated[Optional[Path], typer.Argument(help="Job file (YAML). Flags below override its fields.")] = None,
     input: Annotated[Optional[str], typer.Option("--input", "-i", help=doc(InputSpec, "path", "Its format (csv, jsonl, json, parquet, hf dataset dir) comes from its name."))] = None,
@@ -95,7 +92,7 @@ def run(
         node[parts[-1]] = value
 
     if openai_batch and input:
-        fail(LLMBatchError("give --input or --openai-batch, not both"))
+        raise LLMBatchError("give --input or --openai-batch, not both")
     put("input.path", openai_batch or input)
     put("input.format", "openai-batch" if openai_batch else None)
     put("input.invalid_lines", invalid_lines)
@@ -116,14 +113,12 @@ def run(
     put("output.path", output)
     put("job_dir", job_dir)
     put("model.concurrency", concurrency)
-    try:
-        spec = load_job(job_file, overrides=set_ or [], data=data)
-    except LLMBatchError as exc:
-        fail(exc)
+    spec = load_job(job_file, overrides=set_ or [], data=data)
     _run(spec, None, force=force, report=report, quiet=quiet)
 
 
 @app.command()
+@errors_in_one_line
 def resume(
     job_dir: Annotated[Path, typer.Argument(help="The job directory to continue.")],
     report: Annotated[bool, typer.Option("--report", help="Also write report.png: throughput over time.")] = False,
@@ -134,16 +129,14 @@ def resume(
 
 
 @app.command("retry-errors")
+@errors_in_one_line
 def retry_errors(
     job_dir: Annotated[Path, typer.Argument(help="The job directory.")],
     set_: SetOpt = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No live progress.")] = False,
 ) -> None:
     """Re-run only the rows that failed, optionally with changed settings (--set)."""
-    try:
-        info = job_status(job_dir)
-    except LLMBatchError as exc:
-        fail(exc)
+    info = job_status(job_dir)
     if info["state"] == "finished" and not info["rows_error"]:
         console.print(f"retry-errors: 0 rows to run: job {job_dir} finished with no error rows "
                       f"({info['rows_ok']:,} answered); nothing started", soft_wrap=True)
@@ -152,15 +145,13 @@ def retry_errors(
 
 
 @app.command()
+@errors_in_one_line
 def status(
     job_dir: Annotated[Path, typer.Argument(help="The job directory.")],
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
     """Progress, throughput, errors by type and ETA of a job (running or not)."""
-    try:
-        info = job_status(job_dir)
-    except LLMBatchError as exc:
-        fail(exc)
+    info = job_status(job_dir)
     if as_json:
         print(json.dumps(info, indent=2, default=str))
         return
@@ -182,6 +173,7 @@ def status(
 
 
 @app.command()
+@errors_in_one_line
 def verify(
     job_dir: Annotated[Path, typer.Argument(help="The job directory.")],
     sample: Annotated[int, typer.Option("--sample", help="How many deterministic rows to run again.")] = 100,
@@ -191,10 +183,7 @@ def verify(
     """Run a seeded sample of a job's deterministic answered rows again, one request in the
     engine at a time, and compare with what the job committed: the agreement, and the rows
     that differ in a file."""
-    try:
-        result = verify_job(job_dir, sample=sample, seed=seed, out=out)
-    except LLMBatchError as exc:
-        fail(exc)
+    result = verify_job(job_dir, sample=sample, seed=seed, out=out)
     table = facts(f"verify {job_dir}")
     table.add_row("agreement", f"{result.agreement:.1%} ({result.agreed:,} of {result.checked:,} rows)")
     table.add_row("skipped", f"{result.skipped_random:,} rows with random answers (sampled, or n > 1)")
@@ -208,6 +197,7 @@ def verify(
 
 
 @app.command()
+@errors_in_one_line
 def plan(
     job_file: Annotated[Path, typer.Argument(help="Job file (YAML).")],
     set_: SetOpt = None,
@@ -216,11 +206,7 @@ def plan(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
     """Dry run: rows, prompt tokens, rows too long, duplicates, shared prefixes, time estimate."""
-    try:
-        spec = load_job(job_file, overrides=set_ or [])
-        info = plan_job(spec, throughput=throughput, calibrate_rows=calibrate)
-    except LLMBatchError as exc:
-        fail(exc)
+    info = plan_job(load_job(job_file, overrides=set_ or []), throughput=throughput, calibrate_rows=calibrate)
     if as_json:
         print(json.dumps(info, indent=2, default=str))
         return

@@ -1,6 +1,7 @@
 """The job document before it is a spec: ``--set`` overrides, other documents merged in, paths
 made relative to the job file's folder, ``${VAR}`` read from the environment outside the prompt
-text, and the sections a job cannot run without named by their flags."""
+text, the sections a job cannot run without named by their flags, and what an OpenAI batch
+file fills in (its model and task, public media)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,9 @@ import yaml
 
 from llmbatch.errors import ConfigError
 from llmbatch.models import ALIASES
+from llmbatch.openai.batch_file import FORMAT as OPENAI_BATCH
+from llmbatch.openai.batch_file import peek
+from llmbatch.openai.vocab import EMBEDDINGS
 from llmbatch.redact import expand_env
 
 #: Keys whose values are prompt text, or what constrains or stops the answer: taken as written,
@@ -111,7 +115,7 @@ def check_required(doc: dict[str, Any]) -> None:
     """What every job needs (input, model, output, a prompt), each named by its flag and its job
     file field when missing; what is there but wrong is the spec's to say."""
     inp, model, out = _section(doc, "input"), _section(doc, "model"), _section(doc, "output")
-    batch = inp is not None and inp.get("format") == "openai-batch"
+    batch = inp is not None and inp.get("format") == OPENAI_BATCH
     if doc.get("input") is None or (inp is not None and not inp.get("path")):
         raise ConfigError("--input is missing: give --input FILE (input.path in a job file), or --openai-batch "
                           "FILE for an OpenAI batch file")
@@ -133,3 +137,41 @@ def check_required(doc: dict[str, Any]) -> None:
         raise ConfigError("--prompt is missing: give --prompt 'What industry is {Company} in?' (a template over "
                           "the input's columns; prompt.user in a job file), --text-column for embed or classify, "
                           "--pair-columns for score, or preprocess: module:function")
+
+
+def apply_openai_defaults(doc: dict[str, Any]) -> dict[str, Any]:
+    """Fill a batch job's model from its file when the job does not name one: ``model.source``
+    from the first request's ``model``, ``task_type`` embed for an embedding model or file."""
+    inp = doc.get("input")
+    if not isinstance(inp, dict) or inp.get("format") != OPENAI_BATCH or not isinstance(inp.get("path"), str):
+        return doc
+    model = doc.setdefault("model", {})
+    if not isinstance(model, dict):
+        return doc
+    needs_source = not (model.get("source") or model.get("model_source"))
+    needs_task = "task_type" not in model and "task_type" not in (model.get("engine_kwargs") or {})
+    if not (needs_source or needs_task):
+        return doc
+    try:
+        first_model, first_url = peek(inp["path"])
+    except Exception:  # noqa: BLE001 - an unreadable file is reported when the job reads it
+        first_model = first_url = None
+    if needs_source and first_model:
+        model["source"] = first_model
+    source = model.get("source") or model.get("model_source")
+    if needs_task and ((source in ALIASES and ALIASES[source].task == "embed") or first_url == EMBEDDINGS):
+        model["task_type"] = "embed"
+    return doc
+
+
+def public_media(mm: Any) -> Any:
+    """An openai-batch job's multimodal stage: media_access 'public' unless the job names one
+    (its rows are what ``llmbatch serve`` runs for API clients; an operator running their own
+    batch file sets ``model.prepare_multimodal_stage.media_access: local``)."""
+    if mm is None or isinstance(mm, bool):
+        return {"enabled": bool(mm), "media_access": "public"}
+    if isinstance(mm, dict):
+        return {"media_access": "public", **mm}
+    if hasattr(mm, "model_fields_set") and "media_access" not in mm.model_fields_set:
+        return mm.model_copy(update={"media_access": "public"})
+    return mm

@@ -22,12 +22,9 @@ from llmbatch.cluster import ensure_ray
 from llmbatch.codec import decode_rows, encode_rows, rows_to_table
 from llmbatch.errors import EngineStartError, JobError, LLMBatchError, RowError
 from llmbatch.io.writers import conform, unify_schema
-from llmbatch.jobs.identity import config_hash, result_fields
+from llmbatch.jobs.identity import config_hash
 from llmbatch.jobs.ingest import INGEST_ROWS, input_rows
-from llmbatch.jobs.meta import JobMeta
-from llmbatch.jobs.openai_batch import OpenAIBatchPostprocess, is_openai_batch
-from llmbatch.jobs.prompts import job_preprocess
-from llmbatch.jobs.spec import JobSpec, load_function
+from llmbatch.jobs.job import Job
 from llmbatch.jobs.store import JobDir, committed_answers
 from llmbatch.jobs.tally import Tally
 from llmbatch.processor import Processor
@@ -42,39 +39,32 @@ logger = logging.getLogger(__name__)
 MAX_PASSES = 3
 
 
-def build_job_processor(spec: JobSpec) -> Processor:
-    """The processor a job runs: the spec's model, its prompt as preprocess, and the job's
-    private columns (row id, per-row engine facts) kept for the driver."""
-    post = load_function(spec.postprocess, spec.python_path) if spec.postprocess else None
-    if is_openai_batch(spec):
-        post = OpenAIBatchPostprocess()
-    config = spec.processor_config()
-    return Processor(config, build_layout(config, preprocess=job_preprocess(spec), postprocess=post,
-                                          output=OutputStage(keep_private=(ROW_ID, STATS, ANSWER), encoded=True)))
+def build_job_processor(job: Job) -> Processor:
+    """The processor a job runs: its config, its kind's preprocess (the prompt) and
+    postprocess, and an output stage that keeps the job's private columns (row id, per-row
+    engine facts) for the driver."""
+    return Processor(job.config, build_layout(job.config, preprocess=job.preprocess(), postprocess=job.postprocess(),
+                                              output=OutputStage(keep_private=(ROW_ID, STATS, ANSWER), encoded=True)))
 
 
-def answer_tag(spec: JobSpec) -> str:
+def answer_tag(job: Job) -> str:
     """What the job's answer records are valid for: the model settings that decide an answer
     (the request's digest covers the prompt, sampling params and adapter). Settings that only
     move near-ties (batch sizes, concurrency: ``resume`` "numerics") keep the records valid, as
     they keep a resumed job's committed rows: a job resumed on more GPUs copies what it has."""
-    return config_hash({k: v for k, v in result_fields(spec).items() if k.startswith("model.")})
+    return config_hash({k: v for k, v in job.result_fields.items() if k.startswith("model.")})
 
 
-def seed_answers(processor: Processor, job: JobDir, spec: JobSpec) -> int:
+def seed_answers(processor: Processor, job: Job) -> None:
     """Give the processor's engine stage the answers the job's committed rows recorded, and
-    have it record this run's (stages/answers.py); the number of answers given."""
+    have it record this run's (stages/answers.py)."""
     import ray
 
-    stage = processor.layout.engine
-    if not hasattr(stage, "seed"):
-        return 0
-    tag = answer_tag(spec)
-    known = committed_answers(job, tag)
-    stage.seed(ray.put(known) if known else None, tag)
+    tag = answer_tag(job)
+    known = committed_answers(job.dir, tag)
+    processor.layout.engine.seed(ray.put(known) if known else None, tag)
     if known:
         job.log(f"{len(known)} answers from committed rows are copied to identical requests, not sent again")
-    return len(known)
 
 
 class Committer:
@@ -170,15 +160,15 @@ class Committer:
         self.progress.add(**Tally.of(table).progress_counts())
 
 
-def todo_dataset(job: JobDir, meta: JobMeta, todo: np.ndarray):
+def todo_dataset(job: Job, todo: np.ndarray):
     """The input rows still to do, as a Ray Dataset of encoded rows (one block per input
     file; the processor cuts it into blocks of one engine batch)."""
     import ray
     import ray.data
 
-    per_file = meta.ingest_rows or INGEST_ROWS
+    per_file = job.meta.ingest_rows or INGEST_ROWS
     files = []
-    for path in job.input_files():
+    for path in job.dir.input_files():
         k = int(path.stem.split("-")[1])
         if todo[k * per_file:(k + 1) * per_file].any():
             files.append(str(path))
@@ -206,13 +196,12 @@ def _todo_mask(ref) -> np.ndarray:
     return _TODO_CACHE[key]
 
 
-def _run_pass(job: JobDir, spec: JobSpec, meta: JobMeta, todo: np.ndarray, done: np.ndarray,
-              progress: Progress) -> None:
-    processor = build_job_processor(spec)
-    seed_answers(processor, job, spec)
-    out = processor(todo_dataset(job, meta, todo))
+def _run_pass(job: Job, todo: np.ndarray, done: np.ndarray, progress: Progress) -> None:
+    processor = build_job_processor(job)
+    seed_answers(processor, job)
+    out = processor(todo_dataset(job, todo))
     progress.watch_replicas(processor.run_id)  # the start-up phase, from the replicas' heartbeats
-    committer = Committer(job, done, progress, spec.commit_rows, spec.commit_seconds)
+    committer = Committer(job.dir, done, progress, job.spec.commit_rows, job.spec.commit_seconds)
     try:
         with committer.timer():
             for table in out.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=1):
@@ -282,8 +271,7 @@ def quiet_ray_data() -> Iterator[None]:
             lg.setLevel(levels[name])
 
 
-def execute(job_dir: JobDir, spec: JobSpec, meta: JobMeta, todo: np.ndarray, done: np.ndarray,
-            progress: Progress) -> None:
+def execute(job: Job, todo: np.ndarray, done: np.ndarray, progress: Progress) -> None:
     """Run passes until every row is committed (or recorded as lost); translate failures."""
     # worker output (engine start-up chatter) goes to Ray's log files, not the terminal
     progress.set_phase("starting Ray")
@@ -292,23 +280,23 @@ def execute(job_dir: JobDir, spec: JobSpec, meta: JobMeta, todo: np.ndarray, don
     with quiet_ray_data():
         for attempt in range(MAX_PASSES):
             if attempt:
-                job_dir.log(f"pass {attempt + 1}: {int(todo.sum())} rows did not come back; running them again")
+                job.log(f"pass {attempt + 1}: {int(todo.sum())} rows did not come back; running them again")
             try:
-                _run_pass(job_dir, spec, meta, todo, done, progress)
+                _run_pass(job, todo, done, progress)
             except KeyboardInterrupt:
                 raise
             except Exception as exc:  # noqa: BLE001 - translated when we know what it is
                 explained = explain_failure(exc)
                 if explained is None:
-                    job_dir.log(f"failed: {type(exc).__name__}: {exc}")
+                    job.log(f"failed: {type(exc).__name__}: {exc}")
                     raise
                 if isinstance(explained, RowError):
                     explained = JobError(
                         f"the job stopped at a bad row (continue_on_error is off): {explained}. Rows answered "
                         "before it are committed; fix the row or set continue_on_error: true, then resume.")
-                job_dir.log(f"failed: {explained}")
+                job.log(f"failed: {explained}")
                 raise explained from exc
             todo = ~done
             if not todo.any():
                 return
-        _record_lost(job_dir, todo, done, progress)
+        _record_lost(job.dir, todo, done, progress)

@@ -23,7 +23,6 @@ from llmbatch.config import (
     TokenizerStageConfig,
     resume_kind,
 )
-from llmbatch.jobs.openai_batch import is_openai_batch
 from llmbatch.jobs.spec import PROCESSOR_CONFIGS, JobSpec, load_function
 from llmbatch.models import ALIASES
 
@@ -119,7 +118,8 @@ def result_fields(spec: JobSpec) -> dict[str, Any]:
     """The job settings that decide the answers, flattened to dotted keys.
 
     Two runs with equal result fields and the same input give the same rows; ``resume``
-    refuses a job directory whose result fields differ from the job it is given.
+    refuses a job directory whose result fields differ from the job it is given. A job's kind
+    adds its own (``Job.result_fields``).
     """
     model = _model_settings(spec, None)
     nested = {
@@ -132,9 +132,6 @@ def result_fields(spec: JobSpec) -> dict[str, Any]:
         "postprocess": _function_identity(spec.postprocess, spec.python_path),
         "sampling_params": spec.sampling_params,
     }
-    if is_openai_batch(spec):  # (other jobs' fields stay as they were, so their job dirs resume)
-        nested["input"].update(invalid_lines=spec.input.invalid_lines, endpoint=spec.input.endpoint)
-        nested["model"]["served_model_name"] = spec.model.served_model_name
     return _flat(nested)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,6 @@ from llmbatch.errors import JobError
 from llmbatch.io.files import fsync_dir, write_parquet_synced
 from llmbatch.io.readers import READ_ERROR, TextTypes, infer_format, read_rows
 from llmbatch.jobs.store import JobDir
-from llmbatch.openai.batch_file import FORMAT, Options, read_openai_batch
 from llmbatch.rows import ERROR_COLUMN, ROW_ID, is_missing
 
 #: Rows per file of ``input/``.
@@ -75,9 +75,10 @@ class _Writer:
 
 
 def ingest(job: JobDir, path: str, fmt: str | None, columns: list[str] | None, limit: int | None,
-           id_column: str | None, batch_options: Options | None = None) -> dict[str, Any]:
+           id_column: str | None, batches: Iterator[list[dict[str, Any]]] | None = None) -> dict[str, Any]:
     """Read the input once into ``input/`` with stable row ids; returns what it learned
-    (rows, columns, CSV column types).
+    (rows, columns, CSV column types). ``batches``: the records as the job's kind reads them
+    (default: ``path`` read as a table).
 
     Raises :class:`JobError` when ``id_column`` is missing or has duplicate values.
     """
@@ -92,9 +93,7 @@ def ingest(job: JobDir, path: str, fmt: str | None, columns: list[str] | None, l
     next_id = 0
     keys: list[int] = []
     seen_columns: dict[str, None] = {}
-    if fmt == FORMAT:  # an OpenAI batch file: its lines, checked (a bad one is an error row)
-        batches = read_openai_batch(path, batch_options or Options(), limit)
-    else:
+    if batches is None:
         batches = read_rows(path, fmt, columns, limit)
     for rows in batches:
         for row in rows:

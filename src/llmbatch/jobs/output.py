@@ -30,13 +30,11 @@ from llmbatch.errors import ConfigError
 from llmbatch.io.files import atomic_write_json, fsync_dir
 from llmbatch.io.readers import typed_text_column
 from llmbatch.io.writers import OutputWriter, unify_schema
+from llmbatch.jobs.job import Job
 from llmbatch.jobs.meta import JobMeta
-from llmbatch.jobs.openai_batch import errors_path, is_openai_batch
-from llmbatch.jobs.openai_output import write_openai_output
 from llmbatch.jobs.spec import JobSpec
-from llmbatch.jobs.store import JobDir, error_record
+from llmbatch.jobs.store import JobDir, State, error_record
 from llmbatch.jobs.tally import Tally
-from llmbatch.openai.batch_file import FORMAT
 from llmbatch.progress import Progress
 from llmbatch.redact import redact_text
 from llmbatch.rows import ERROR_COLUMN, PRIVATE_PREFIX, ROW_ID
@@ -61,11 +59,12 @@ def _public(names: list[str]) -> list[str]:
     return [n for n in names if not n.startswith(PRIVATE_PREFIX) and n != ERROR_COLUMN]
 
 
-def output_columns(job: JobDir, spec: JobSpec, meta: JobMeta) -> tuple[list[str], list[pa.Schema]]:
+def output_columns(job: Job) -> tuple[list[str], list[pa.Schema]]:
     """The output's columns (after rename), in order, and the parts' schemas."""
+    spec, meta = job.spec, job.meta
     rename = spec.output.rename or {}
     schemas = []
-    for path in job.part_files():
+    for path in job.dir.part_files():
         schema = pq.read_schema(path)
         names = [rename.get(n, n) for n in schema.names]
         schemas.append(pa.schema([pa.field(n, schema.field(i).type) for i, n in enumerate(names)]))
@@ -126,20 +125,20 @@ def _typed_schema(schema: pa.Schema, types: dict[str, str]) -> pa.Schema:
     return pa.schema(fields)
 
 
-def finish(job: JobDir, spec: JobSpec, meta: JobMeta, run_info: dict[str, Any], progress: Progress) -> dict[str, Any]:
+def finish(job: Job, run_info: dict[str, Any], progress: Progress) -> dict[str, Any]:
     """Write the output and errors.jsonl from the parts and swap them into place (see module
-    docstring), then stats.json; returns the stats."""
-    state = job.state(meta.rows)
-    parts = job.part_files()
-    parts_upto = job.part_index(parts[-1]) if parts else -1
-    output_path, totals = write_output(job, spec, meta, state)
-    stats = build_stats(job, meta, state.counts(), totals, run_info, progress, output_path, parts_upto)
-    if is_openai_batch(spec):
-        stats["openai_errors_file"] = errors_path(spec)
-    atomic_write_json(job.stats_path, stats)
+    docstring; the job's kind writes them), then stats.json; returns the stats."""
+    root, meta = job.dir, job.meta
+    state = root.state(meta.rows)
+    parts = root.part_files()
+    parts_upto = root.part_index(parts[-1]) if parts else -1
+    output_path, totals = job.kind.write_output(job, state)
+    stats = build_stats(root, meta, state.counts(), totals, run_info, progress, output_path, parts_upto)
+    stats.update(job.kind.stats(job))
+    atomic_write_json(root.stats_path, stats)
     meta.finalizing = None
     meta.finished = {"parts_upto": parts_upto, "at": time.time()}
-    job.write_meta(meta)
+    root.write_meta(meta)
     return stats
 
 
@@ -155,14 +154,13 @@ def _error_id(row: dict[str, Any], spec: JobSpec, types: dict[str, str]) -> Any:
     return value
 
 
-def write_output(job: JobDir, spec: JobSpec, meta: JobMeta, state) -> tuple[str, Tally]:
-    """Steps 1-3 of the swap (module docstring); returns the output path and the final counts."""
-    if spec.output.resolved_format() == FORMAT:
-        path, totals, _ = write_openai_output(job, spec, meta, state)
-        return path, totals
-    parts = job.part_files()
-    parts_upto = job.part_index(parts[-1]) if parts else -1
-    columns, schemas = output_columns(job, spec, meta)
+def write_output(job: Job, state: State) -> tuple[str, Tally]:
+    """Steps 1-3 of the swap (module docstring) for a table of rows; returns the output path
+    and the final counts."""
+    spec, meta, root = job.spec, job.meta, job.dir
+    parts = root.part_files()
+    parts_upto = root.part_index(parts[-1]) if parts else -1
+    columns, schemas = output_columns(job)
     for_unify = list(schemas)
     if not spec.input.id_column:
         for_unify.append(pa.schema([(ROW_ID_COLUMN, pa.int64())]))
@@ -173,10 +171,10 @@ def write_output(job: JobDir, spec: JobSpec, meta: JobMeta, state) -> tuple[str,
     types = input_types(spec, meta)
     writer = OutputWriter(spec.output.path, spec.output.resolved_format(), _typed_schema(unify_schema(for_unify, columns), types))
     totals = Tally()
-    tmp_errors = job.errors_path.with_name(".errors.jsonl.tmp")
+    tmp_errors = root.errors_path.with_name(".errors.jsonl.tmp")
     try:
         with open(tmp_errors, "w") as errors_fh:
-            for table, newest in job.iter_final_rows(state):
+            for table, newest in root.iter_final_rows(state):
                 if ERROR_COLUMN in table.column_names:
                     err = pc.fill_null(table.column(ERROR_COLUMN), "")
                     is_err = np.asarray(pc.not_equal(err, "").to_numpy(zero_copy_only=False), dtype=bool)
@@ -199,12 +197,12 @@ def write_output(job: JobDir, spec: JobSpec, meta: JobMeta, state) -> tuple[str,
     _crash_point("written")
     meta.finalizing = {"parts_upto": parts_upto, "at": time.time()}
     meta.finished = None
-    job.write_meta(meta)
+    root.write_meta(meta)
     _crash_point("finalizing")
     output_path = writer.commit()
     _crash_point("output-swapped")
-    tmp_errors.replace(job.errors_path)
-    fsync_dir(job.root)
+    tmp_errors.replace(root.errors_path)
+    fsync_dir(root.root)
     _crash_point("errors-swapped")
     return output_path, totals
 

@@ -1,14 +1,17 @@
 """``llmbatch plan``: what a job will cost, before it runs.
 
 Reads the input as a stream (memory stays flat however many rows there are: a few numbers
-per row), renders each row's prompt exactly as the job would (template, chat template),
-tokenizes it with the model's tokenizer, and reports rows, prompt tokens (min/median/max),
-rows that cannot fit ``max_model_len``, duplicate requests (answered once with dedup), the
-share of prompt tokens in prefixes shared with an earlier prompt (prefix-cache hits, in the
-engine's 16-token blocks), and an estimate of the run time from a given throughput or a
-short calibration run. For an endpoint (``processor: http`` or ``serve``) whose model is not
-a local one, prompt tokens are estimated as the endpoint's rate limits count them (about four
-characters a token), and the run time follows from its ``qps``/``tokens_per_minute``.
+per row) and runs each batch of rows through the job's own CPU stages, in this process: the
+processor the job would run is built (no Ray, no engine started) and its stages before the
+engine (the job's preprocess, the multimodal stage where the job has one, the chat template,
+tokenize) run on the rows; then the engine builds each row's request, whose key is the one the
+engine stage deduplicates with. It reports rows, prompt tokens (min/median/max), rows that
+cannot fit ``max_model_len``, duplicate requests (answered once with dedup), the share of
+prompt tokens in prefixes shared with an earlier prompt (prefix-cache hits, in the engine's
+16-token blocks), and an estimate of the run time from a given throughput or a short
+calibration run. For an endpoint (``processor: http`` or ``serve``) whose model is not a local
+one, prompt tokens are estimated as the endpoint's rate limits count them (about four characters
+a token), and the run time follows from its ``qps``/``tokens_per_minute``.
 """
 
 from __future__ import annotations
@@ -23,127 +26,136 @@ import numpy as np
 from llmbatch.codec import digest64
 from llmbatch.config import EndpointProcessorConfig
 from llmbatch.errors import ConfigError
-from llmbatch.io.readers import READ_ERROR, read_rows
-from llmbatch.jobs.openai_batch import batch_options, is_openai_batch
-from llmbatch.jobs.prompts import check_prompt_fields, job_preprocess
+from llmbatch.io.readers import READ_ERROR
+from llmbatch.jobs.driver import build_job_processor
+from llmbatch.jobs.job import Job, Row
+from llmbatch.jobs.kinds import job_for
 from llmbatch.jobs.run import run_job
-from llmbatch.jobs.spec import PROCESSOR_CONFIGS, JobSpec, load_job
-from llmbatch.models import load_tokenizer, model_max_len, resolve_model
-from llmbatch.openai.batch_file import read_openai_batch
+from llmbatch.jobs.spec import JobSpec, load_job
+from llmbatch.models import load_tokenizer
 from llmbatch.openai.client import estimate_tokens
-from llmbatch.rows import DEFAULT_MAX_TOKENS, normalize_messages
+from llmbatch.rows import DEFAULT_MAX_TOKENS, is_error, normalize_messages
+from llmbatch.stages.base import Stage
+from llmbatch.stages.chat_template import ChatTemplateStage
+from llmbatch.stages.tokenize import TokenizeStage
+from llmbatch.stages.warm import WarmEngineStage
 
 BLOCK = 16  # vLLM's default KV block size: the unit of prefix caching
 BATCH = 4096
 
 
-def _request_builder(spec: JobSpec):
-    return job_preprocess(spec)
+class _Sample:
+    """The job's CPU stages and its engine's request builder, run here on batches of rows; what
+    a plan needs of each row is kept as a few numbers."""
 
+    def __init__(self, job: Job):
+        processor = build_job_processor(job)  # builds, starts nothing
+        self.stages: list[Stage] = [spec.stage for spec in processor.layout.pre]
+        engine = processor.layout.engine  # (the engine stage itself, also where a warm host would run it)
+        self.engine = (engine.local if isinstance(engine, WarmEngineStage) else engine).engine
+        self.generate = job.task == "generate"
+        tokenize = next((s for s in self.stages if isinstance(s, TokenizeStage)), None)
+        self.hosted = False
+        if tokenize is None:  # an endpoint: its model's tokenizer where this machine has it
+            try:
+                load_tokenizer(job.spec.model.source)
+            except Exception:  # noqa: BLE001 - a hosted model's name: estimate its tokens instead
+                self.hosted = True
+            else:
+                tokenize = TokenizeStage(job.spec.model.source, task=job.task)
+                self.stages += [ChatTemplateStage(job.spec.model.source), tokenize]
+        for stage in self.stages:
+            stage.ensure_setup()
+        #: every row's tokens are counted, also a row too long (tokenize then leaves it whole)
+        self.max_len = tokenize.max_model_len if tokenize is not None else None
+        if tokenize is not None:
+            tokenize.max_model_len = None
+        self.counts: list[np.ndarray] = []
+        self.keys: list[np.ndarray] = []   # 64 bits of each shared request's key
+        self.unkeyed = 0
+        self.wants: list[np.ndarray] = []
+        self.blocks: list[np.ndarray] = []
+        self.bad_rows = 0
 
-def _max_model_len(spec: JobSpec, model_path: str) -> int | None:
-    fields = spec.model.processor_fields()
-    value = (fields.get("engine_kwargs") or {}).get("max_model_len")
-    return int(value) if value else model_max_len(model_path)
+    def add(self, rows: list[Row]) -> None:
+        for stage in self.stages:
+            todo = [r for r in rows if not is_error(r) and stage.check_keys(r)]
+            if todo:
+                stage.process_batch(todo)
+        counts: list[int] = []
+        keys: list[int] = []
+        wants: list[int] = []
+        blocks: list[int] = []
+        for row in rows:
+            if is_error(row):
+                self.bad_rows += 1
+                continue
+            try:
+                key = self.engine.build_request(row).key
+                tokens = self._tokens(row)
+            except Exception:  # noqa: BLE001 - a row the job would turn into an error row
+                self.bad_rows += 1
+                continue
+            counts.append(tokens)
+            if key is None:  # never shared (a sampled answer): it runs
+                self.unkeyed += 1
+            else:
+                keys.append(digest64(key) if isinstance(key, str) else int.from_bytes(bytes(key)[:8], "little"))
+            sp = row.get("sampling_params") if self.generate else None
+            wants.append(int((sp or {}).get("max_tokens") or DEFAULT_MAX_TOKENS) if self.generate else 0)
+            ids = row.get("tokenized_prompt")
+            h = 0
+            for start in range(0, len(ids or ()) - BLOCK + 1, BLOCK):
+                h = hash((h, tuple(ids[start:start + BLOCK])))
+                blocks.append(h)
+        self.counts.append(np.asarray(counts, dtype=np.int32))
+        self.keys.append(np.asarray(keys, dtype=np.uint64))
+        self.wants.append(np.asarray(wants, dtype=np.int32))
+        if blocks:
+            self.blocks.append(np.asarray(blocks, dtype=np.int64))
+
+    def unique_requests(self) -> int:
+        keys = np.concatenate(self.keys) if self.keys else np.zeros(0, np.uint64)
+        return int(np.unique(keys).size) + self.unkeyed
+
+    def _tokens(self, row: Row) -> int:
+        if self.hosted:
+            if row.get("messages") is not None:
+                return estimate_tokens({"messages": normalize_messages(row["messages"])})
+            return estimate_tokens({"prompt": str(row["prompt"])})
+        return len(row["tokenized_prompt"]) + len(row.get("tokenized_prompt_2") or ())
 
 
 def plan_job(spec: JobSpec, *, throughput: float | None = None, calibrate_rows: int = 0) -> dict[str, Any]:
     """The plan for ``spec`` (see module docstring)."""
     started = time.perf_counter()
-    endpoint = issubclass(PROCESSOR_CONFIGS[spec.model.processor], EndpointProcessorConfig)
-    try:
-        model_path = resolve_model(spec.model.source)
-        tokenizer = load_tokenizer(spec.model.source)
-    except Exception:  # noqa: BLE001 - a hosted model's name: estimate its tokens instead
-        if not endpoint:
-            raise
-        model_path = tokenizer = None
-    max_len = _max_model_len(spec, model_path) if model_path else None
-    build = _request_builder(spec)
-    generate = spec.resolved_task() == "generate"
-    counts: list[np.ndarray] = []
-    request_hashes: list[np.ndarray] = []
-    block_hashes: list[np.ndarray] = []
-    max_tokens: list[np.ndarray] = []
-    estimated: list[int] = []
-    rows = read_errors = bad_rows = 0
+    job = job_for(spec)
+    endpoint = isinstance(job.config, EndpointProcessorConfig)
+    sample = _Sample(job)
+    rows = read_errors = 0
     checked_fields = False
-    if is_openai_batch(spec):
-        batches = read_openai_batch(spec.input.path, batch_options(spec), spec.input.limit, BATCH)
-    else:
-        batches = read_rows(spec.input.path, spec.input.format, spec.input.columns, spec.input.limit, BATCH)
-    for batch in batches:
-        if not checked_fields and spec.prompt is not None:
-            check_prompt_fields(spec, [k for k in batch[0] if k != READ_ERROR])
+    for batch in job.kind.read(job, BATCH):
+        if not checked_fields:
+            job.kind.check_columns(job, [k for k in batch[0] if k != READ_ERROR])
             checked_fields = True
-        prompts: list[str] = []
-        specials: list[bool] = []
-        req_keys: list[int] = []
-        wants: list[int] = []
+        readable = []
         for row in batch:
             rows += 1
             if row.pop(READ_ERROR, ""):
                 read_errors += 1
-                continue
-            try:
-                req = build(row)
-                if req.get("messages") is not None and tokenizer is None:
-                    text, special = json.dumps(normalize_messages(req["messages"])), False
-                    estimated.append(estimate_tokens({"messages": normalize_messages(req["messages"])}))
-                elif req.get("messages") is not None:
-                    messages = normalize_messages(req["messages"])
-                    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-                    special = False
-                elif req.get("text_1") is not None:  # a scoring pair: both texts count
-                    text, special = f"{req['text_1']}\n{req['text_2']}", True
-                else:
-                    text, special = str(req["prompt"]), True
-                    if tokenizer is None:
-                        estimated.append(estimate_tokens({"prompt": text}))
-            except Exception:  # noqa: BLE001 - a row the job would turn into an error row
-                bad_rows += 1
-                continue
-            sp = req.get("sampling_params" if generate else "pooling_params") or {}
-            prompts.append(text)
-            specials.append(special)
-            req_keys.append(digest64(text + "\0" + json.dumps(sp, sort_keys=True, default=str)))
-            wants.append(int(sp.get("max_tokens") or DEFAULT_MAX_TOKENS) if generate else 0)  # pooling: none
-        if not prompts:
-            continue
-        if tokenizer is None:
-            counts.append(np.asarray(estimated, dtype=np.int32))
-            estimated.clear()
-            request_hashes.append(np.asarray(req_keys, dtype=np.uint64))
-            max_tokens.append(np.asarray(wants, dtype=np.int32))
-            continue
-        ids_list = [None] * len(prompts)
-        for special in (False, True):
-            idx = [i for i, s in enumerate(specials) if s is special]
-            if idx:
-                enc = tokenizer([prompts[i] for i in idx], add_special_tokens=special)["input_ids"]
-                for i, ids in zip(idx, enc):
-                    ids_list[i] = ids
-        counts.append(np.fromiter((len(ids) for ids in ids_list), dtype=np.int32, count=len(ids_list)))
-        request_hashes.append(np.asarray(req_keys, dtype=np.uint64))
-        max_tokens.append(np.asarray(wants, dtype=np.int32))
-        blocks = []
-        for ids in ids_list:
-            h = 0
-            for start in range(0, len(ids) - BLOCK + 1, BLOCK):
-                h = hash((h, tuple(ids[start:start + BLOCK])))
-                blocks.append(h)
-        if blocks:
-            block_hashes.append(np.asarray(blocks, dtype=np.int64))
+            else:
+                readable.append(row)
+        sample.add(readable)
     if rows == 0:
         raise ConfigError(f"the input {spec.input.path} has no rows")
-    tokens = np.concatenate(counts) if counts else np.zeros(0, np.int32)
-    wants_all = np.concatenate(max_tokens) if max_tokens else np.zeros(0, np.int32)
-    hashes = np.concatenate(request_hashes) if request_hashes else np.zeros(0, np.uint64)
-    unique_requests = int(np.unique(hashes).size)
-    all_blocks = np.concatenate(block_hashes) if block_hashes else np.zeros(0, np.int64)
+    tokens = np.concatenate(sample.counts) if sample.counts else np.zeros(0, np.int32)
+    wants_all = np.concatenate(sample.wants) if sample.wants else np.zeros(0, np.int32)
+    unique_requests = sample.unique_requests()
+    all_blocks = np.concatenate(sample.blocks) if sample.blocks else np.zeros(0, np.int64)
     shared_tokens = (all_blocks.size - np.unique(all_blocks).size) * BLOCK
     total_tokens = int(tokens.sum())
     answered = int(tokens.size)
+    max_len, generate = sample.max_len, sample.generate
     # a generated answer needs room after the prompt; a pooled text may fill the context
     over = int(((tokens >= max_len) if generate else (tokens > max_len)).sum()) if max_len else 0
     no_room = int(((tokens + wants_all) > max_len).sum()) if max_len else 0
@@ -152,7 +164,7 @@ def plan_job(spec: JobSpec, *, throughput: float | None = None, calibrate_rows: 
         "model": spec.model.source,
         "rows": rows,
         "rows_unreadable": read_errors,
-        "rows_failing_preprocess": bad_rows,
+        "rows_failing_preprocess": sample.bad_rows,
         "prompt_tokens": {
             "min": int(tokens.min()) if answered else 0,
             "median": float(np.median(tokens)) if answered else 0.0,
@@ -161,13 +173,13 @@ def plan_job(spec: JobSpec, *, throughput: float | None = None, calibrate_rows: 
         },
         "max_model_len": max_len,
         "rows_over_max_model_len": over,
-        "task": spec.resolved_task(),
+        "task": job.task,
         "rows_where_max_tokens_does_not_fit": no_room,
         "duplicate_requests": answered - unique_requests,
         "unique_requests": unique_requests,
         "shared_prefix_token_share": (round(shared_tokens / total_tokens, 4) if total_tokens else 0.0)
-        if tokenizer is not None else None,
-        "prompt_tokens_estimated": tokenizer is None,
+        if not sample.hosted else None,
+        "prompt_tokens_estimated": sample.hosted,
         "max_output_tokens": int(wants_all.sum()),  # a total over the rows, at most
         "max_tokens_per_row": int(wants_all.max()) if wants_all.size else 0,
     }

@@ -18,7 +18,7 @@ from pathlib import Path
 from llmbatch.config import EndpointProcessorConfig
 from llmbatch.errors import ConfigError, JobError, ModelNotFoundError
 from llmbatch.io.readers import infer_format, open_input
-from llmbatch.jobs.openai_batch import errors_path, is_openai_batch
+from llmbatch.jobs.job import Job
 from llmbatch.jobs.spec import JobSpec
 from llmbatch.jobs.store import LOCK_NAME, JobDir
 from llmbatch.models import ALIASES, TEST_MODELS, check_model_source, resolve_model
@@ -30,19 +30,21 @@ INPUT = "--input (input.path)"
 MODEL = "--model (model.source)"
 
 
-def check_job(spec: JobSpec, job: JobDir, *, force: bool = False) -> None:
+def check_job(job: Job, *, force: bool = False) -> None:
     """Every check a run makes before it touches anything (see the module docstring)."""
-    if force or not _ingested(job):
-        check_input(spec)
-    check_writable(spec.output.path, "--output (output.path)")
+    spec = job.spec
+    if force or not _ingested(job.dir):
+        check_input(spec, job.kind.input_flag)
+    (output, output_flag), *others = job.kind.outputs(job)
+    check_writable(output, output_flag)
     try:
         spec.output.resolved_format()
     except ConfigError as exc:
         raise ConfigError(f"--output (output.path): {exc} (on the command line: --set output.format=parquet)") from None
-    if is_openai_batch(spec):
-        check_writable(errors_path(spec), "--errors (output.errors_path)")
+    for path, flag in others:
+        check_writable(path, flag)
     flag = "--job-dir (job_dir)" if spec.job_dir else "--job-dir (job_dir; default: <output>.job)"
-    check_writable(str(job.root), flag, folder=True)
+    check_writable(str(job.dir.root), flag, folder=True)
     check_model(spec)
 
 
@@ -56,10 +58,10 @@ def _ingested(job: JobDir) -> bool:
 # ---------------------------------------------------------------------------- the input
 
 
-def check_input(spec: JobSpec) -> None:
-    """The input exists, can be read, and has rows (as far as its first bytes tell)."""
+def check_input(spec: JobSpec, flag: str = INPUT) -> None:
+    """The input exists, can be read, and has rows (as far as its first bytes tell); ``flag``
+    names it in messages."""
     path = spec.input.path
-    flag = "--openai-batch (input.path)" if is_openai_batch(spec) else INPUT
     if "://" in path:
         return  # a URL or object store: read when the job stages it
     if not os.path.exists(path):

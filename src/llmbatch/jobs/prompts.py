@@ -7,7 +7,6 @@ import json
 from typing import Any
 
 from llmbatch.errors import ConfigError, RowValidationError
-from llmbatch.jobs.openai_batch import OpenAIBatchPreprocess, is_openai_batch, served_names
 from llmbatch.jobs.spec import JobSpec, PromptSpec, load_function
 from llmbatch.rows import is_missing
 
@@ -138,12 +137,10 @@ class WithDefaultParams:
         return out
 
 
-def job_preprocess(spec: JobSpec):
-    """The preprocess a job's processor runs: its prompt templates, or its own function with
-    the job's sampling_params as defaults."""
-    if is_openai_batch(spec):
-        return OpenAIBatchPreprocess(spec.sampling_params, served_names(spec))
-    task = spec.resolved_task()
+def job_preprocess(spec: JobSpec, task: str | None = None):
+    """The preprocess a job over rows runs: its prompt templates, or its own function with the
+    job's sampling_params (pooling_params for a pooling ``task``) as defaults."""
+    task = task or spec.resolved_task()
     if spec.prompt is not None:
         if task != "generate":
             return PoolingPreprocess(spec.prompt, spec.pooling_params, task)

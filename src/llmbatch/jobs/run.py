@@ -18,18 +18,19 @@ from typing import Any
 from llmbatch.errors import ConfigError, JobError, LLMBatchError
 from llmbatch.io.files import atomic_write_json
 from llmbatch.jobs.driver import execute
-from llmbatch.jobs.identity import (
-    config_hash,
-    diff_fields,
-    numerics_fields,
-    result_fields,
-)
+from llmbatch.jobs.identity import config_hash, diff_fields
 from llmbatch.jobs.ingest import INGEST_ROWS, ingest
+from llmbatch.jobs.job import Job
+from llmbatch.jobs.kinds import job_for
 from llmbatch.jobs.meta import JobMeta
-from llmbatch.jobs.openai_batch import check_batch_file, is_openai_batch
 from llmbatch.jobs.output import finish
-from llmbatch.jobs.preflight import INPUT, check_job, discard_unstarted, first_missing, remove_created
-from llmbatch.jobs.prompts import check_prompt_fields
+from llmbatch.jobs.preflight import (
+    INPUT,
+    check_job,
+    discard_unstarted,
+    first_missing,
+    remove_created,
+)
 from llmbatch.jobs.spec import JobSpec, load_job, redacted_spec
 from llmbatch.jobs.store import JobDir, input_fingerprint, same_input
 from llmbatch.progress import Progress
@@ -58,11 +59,16 @@ class JobResult:
 # ---------------------------------------------------------------------------- opening
 
 
-def open_job(job: JobDir, spec: JobSpec, *, force: bool = False, allow_config_change: bool = False) -> JobMeta:
-    """Create the job in ``job`` (whose lock the caller holds), or check that the job already
-    there is this one; returns its metadata."""
-    fields = result_fields(spec)
-    numerics = numerics_fields(spec)
+def open_job(opened: Job, *, force: bool = False, allow_config_change: bool = False) -> JobMeta:
+    """Create the job in its directory (whose lock the caller holds), or check that the job
+    already there is this one; returns its metadata (also ``opened.meta``)."""
+    opened.meta = _open(opened.dir, opened.spec, opened.result_fields, opened.numerics_fields, force=force,
+                        allow_config_change=allow_config_change)
+    return opened.meta
+
+
+def _open(job: JobDir, spec: JobSpec, fields: dict[str, Any], numerics: dict[str, Any], *, force: bool,
+          allow_config_change: bool) -> JobMeta:
     if job.exists() and (force or not _started(job)):
         job.reset()  # (a job that never read its input, e.g. stopped at an invalid line, has nothing to keep)
     if not job.exists():
@@ -121,22 +127,21 @@ def _started(job: JobDir) -> bool:
         return True
 
 
-def _ingest(job: JobDir, spec: JobSpec, meta: JobMeta) -> JobMeta:
+def read_input(job: Job) -> JobMeta:
+    """Read the job's input once into its directory (``jobs.ingest``), as its kind reads it."""
+    spec, meta = job.spec, job.meta
     job.log(f"reading input {redact_text(spec.input.path)}")
     fingerprint = input_fingerprint(spec.input.path)
-    options = None
-    if is_openai_batch(spec):
-        options = check_batch_file(spec)  # with invalid_lines: fail, every bad line is listed before any work
-    info = ingest(job, spec.input.path, spec.input.format, spec.input.columns, spec.input.limit, spec.input.id_column,
-                  options)
+    job.kind.check_input(job)
+    info = ingest(job.dir, spec.input.path, spec.input.format, spec.input.columns, spec.input.limit,
+                  spec.input.id_column, job.kind.read(job))
     if not info["rows"]:
-        what = "requests" if options is not None else "rows"
-        raise ConfigError(f"{INPUT}: the input has no {what}: {spec.input.path} holds none")
-    check_prompt_fields(spec, info["columns"])
+        raise ConfigError(f"{INPUT}: the input has no {job.kind.holds}: {spec.input.path} holds none")
+    job.kind.check_columns(job, info["columns"])
     meta.ingested = True
     meta.rows, meta.columns, meta.column_types = info["rows"], info["columns"], info["column_types"]
     meta.ingest_rows, meta.input_fingerprint = INGEST_ROWS, fingerprint
-    job.write_meta(meta)
+    job.dir.write_meta(meta)
     job.log(f"read {info['rows']:,} rows")
     return meta
 
@@ -167,19 +172,19 @@ def run_job(job: JobSpec | str | os.PathLike, *, overrides: list[str] | None = N
     (``llmbatch.terminal``).
     """
     entered = time.time()
-    spec = resolve_spec(job, overrides)
+    opened = job_for(resolve_spec(job, overrides))
     if report:
         check_report_dependencies()
-    job_dir = JobDir(spec.resolved_job_dir())
-    check_job(spec, job_dir, force=force)  # before anything is created or started
+    job_dir = opened.dir
+    check_job(opened, force=force)  # before anything is created or started
     created = first_missing(job_dir.root)
     discarded = False
     try:
         with job_dir.locked():
             try:
-                meta = open_job(job_dir, spec, force=force, allow_config_change=retry_errors)
+                open_job(opened, force=force, allow_config_change=retry_errors)
                 with job_terminal(job_dir.log_path) as terminal:  # Ray's and vLLM's lines to log.txt
-                    return _run_locked(job_dir, spec, meta, retry_errors=retry_errors, report=report,
+                    return _run_locked(opened, retry_errors=retry_errors, report=report,
                                        quiet=quiet, tty=tty, entered=entered, terminal=terminal)
             except LLMBatchError:  # a mistake found while reading the input leaves nothing behind
                 discarded = discard_unstarted(job_dir, created)
@@ -189,16 +194,17 @@ def run_job(job: JobSpec | str | os.PathLike, *, overrides: list[str] | None = N
             remove_created(job_dir, created)
 
 
-def _run_locked(job_dir: JobDir, spec: JobSpec, meta: JobMeta, *, retry_errors: bool, report: bool,
-                quiet: bool, tty: bool | None, entered: float, terminal: Terminal) -> JobResult:
+def _run_locked(job: Job, *, retry_errors: bool, report: bool, quiet: bool, tty: bool | None, entered: float,
+                terminal: Terminal) -> JobResult:
+    job_dir, meta = job.dir, job.meta
     job_dir.clean_temporaries()
     ingest_s = None
     if not meta.ingested:
         ingest_began = time.time()
-        meta = _ingest(job_dir, spec, meta)
+        read_input(job)
         ingest_s = time.time() - ingest_began
     else:
-        check_prompt_fields(spec, meta.columns)
+        job.kind.check_columns(job, meta.columns)
     state = job_dir.state(meta.rows)
     done = state.done.copy()
     if retry_errors:
@@ -207,7 +213,7 @@ def _run_locked(job_dir: JobDir, spec: JobSpec, meta: JobMeta, *, retry_errors: 
     todo = ~done
     progress = Progress(meta.rows, done_before=int(done.sum()),
                         errors_before=counts["errors"] if not retry_errors else 0,
-                        progress_path=job_dir.progress_path, tty=tty, quiet=quiet, task=spec.resolved_task(),
+                        progress_path=job_dir.progress_path, tty=tty, quiet=quiet, task=job.task,
                         out=terminal.out, err=terminal.err)
     mode = "retry-errors" if retry_errors else ("resume" if counts["done"] else "run")
     job_dir.log(f"{mode}: {int(todo.sum()):,} rows to do of {meta.rows:,}")
@@ -218,7 +224,7 @@ def _run_locked(job_dir: JobDir, spec: JobSpec, meta: JobMeta, *, retry_errors: 
     progress.start()
     try:
         if todo.any():
-            execute(job_dir, spec, meta, todo, done, progress)
+            execute(job, todo, done, progress)
     except KeyboardInterrupt:
         state_name = "stopped"
         job_dir.log("stopped by signal; committed rows are kept, run `llmbatch resume` to continue")
@@ -238,7 +244,7 @@ def _run_locked(job_dir: JobDir, spec: JobSpec, meta: JobMeta, *, retry_errors: 
     if state_name != "finished":
         return JobResult(job_dir.root, state_name, None, job_dir.errors_path, snap)
     try:
-        stats = finish(job_dir, spec, meta, run_info, progress)
+        stats = finish(job, run_info, progress)
     except KeyboardInterrupt:  # every row is committed; `resume` writes the output again
         run_info["state"] = "stopped"
         job_dir.write_meta(meta)

@@ -28,19 +28,26 @@ from pydantic import ConfigDict, Field, PrivateAttr, field_validator, model_vali
 
 from llmbatch.builders import builder_for
 from llmbatch.config import (
+    BaseConfig,
     EndpointProcessorConfig,
     HttpRequestProcessorConfig,
     ProcessorConfig,
     ServeDeploymentProcessorConfig,
     SGLangEngineProcessorConfig,
-    BaseConfig,
     vLLMEngineProcessorConfig,
 )
 from llmbatch.errors import ConfigError, suggestion
-from llmbatch.jobs.document import apply_overrides, check_required, expand_environment, fill_defaults, merge, resolve_paths
-from llmbatch.jobs.openai_batch import apply_defaults as apply_openai_defaults
-from llmbatch.jobs.openai_batch import check_spec as check_openai_batch
-from llmbatch.jobs.openai_batch import is_openai_batch, public_media
+from llmbatch.jobs.document import (
+    apply_openai_defaults,
+    apply_overrides,
+    check_required,
+    expand_environment,
+    fill_defaults,
+    merge,
+    public_media,
+    resolve_paths,
+)
+from llmbatch.openai.batch_file import FORMAT as OPENAI_BATCH
 from llmbatch.redact import redact
 from llmbatch.rows import SAMPLING_PARAM_NAMES
 
@@ -157,7 +164,7 @@ class OutputSpec(BaseConfig):
 
     def resolved_format(self) -> str:
         if self.format:
-            return self.format  # openai-batch: set from the input format (jobs.openai_batch.check_spec)
+            return self.format  # openai-batch: set from the input format (JobSpec._request_source)
         lower = self.path.lower()
         for fmt, suffixes in (("parquet", (".parquet", ".pq")), ("jsonl", (".jsonl", ".ndjson", ".json")), ("csv", (".csv",))):
             if lower.endswith(suffixes):
@@ -214,7 +221,8 @@ class JobSpec(BaseConfig):
 
     @model_validator(mode="after")
     def _request_source(self) -> "JobSpec":
-        if self.prompt is None and self.preprocess is None and not is_openai_batch(self):
+        batch = self.input.format == OPENAI_BATCH
+        if self.prompt is None and self.preprocess is None and not batch:
             raise ValueError("give a prompt (prompt.user / messages_column / prompt_column) or a preprocess function")
         if self.prompt is not None and self.preprocess is not None:
             raise ValueError("give either prompt or preprocess, not both")
@@ -222,7 +230,14 @@ class JobSpec(BaseConfig):
             value = getattr(self, name)
             if value is not None and ":" not in value:
                 raise ValueError(f"{name} must look like 'module:function', got {value!r}")
-        check_openai_batch(self)
+        if not batch and self.output.format == OPENAI_BATCH:
+            raise ValueError("output.format openai-batch needs input.format openai-batch")
+        if batch and (self.prompt is not None or self.preprocess is not None or self.postprocess is not None):
+            raise ValueError("an openai-batch input carries its own requests: leave out prompt, preprocess and postprocess")
+        if batch and (self.input.id_column or self.input.columns):
+            raise ValueError("an openai-batch input has no id_column or columns: custom_id identifies each request")
+        if batch and self.output.format is None:
+            self.output.format = OPENAI_BATCH
         return self
 
     def resolved_job_dir(self) -> str:
@@ -247,7 +262,7 @@ class JobSpec(BaseConfig):
         if self.prompt is not None and (self.prompt.image_column or self.prompt.audio_column) is not None:
             mm = fields.get("prepare_multimodal_stage")
             fields["prepare_multimodal_stage"] = {**mm, "enabled": True} if isinstance(mm, dict) else True
-        if is_openai_batch(self):
+        if self.input.format == OPENAI_BATCH:  # rows of API clients (llmbatch serve)
             fields["prepare_multimodal_stage"] = public_media(fields.get("prepare_multimodal_stage"))
         try:
             return cls(**fields)

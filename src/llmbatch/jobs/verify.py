@@ -27,12 +27,12 @@ from typing import Any
 
 import numpy as np
 
-from llmbatch.codec import decode_rows
 from llmbatch.builders import build_layout
+from llmbatch.codec import decode_rows
 from llmbatch.errors import ConfigError
 from llmbatch.jobs.driver import build_job_processor, quiet_ray_data, todo_dataset
 from llmbatch.jobs.ingest import INGEST_ROWS, input_rows
-from llmbatch.jobs.prompts import job_preprocess
+from llmbatch.jobs.kinds import job_for
 from llmbatch.jobs.run import resolve_spec
 from llmbatch.jobs.store import JobDir
 from llmbatch.processor import Processor
@@ -140,15 +140,16 @@ def verify_job(job_dir: str | Path, sample: int = 100, seed: int = 0, out: str |
     meta = job.meta()
     if not meta.ingested:
         raise ConfigError(f"the job in {job_dir} has not read its input yet: nothing to verify")
-    spec = resolve_spec(job.root, None)
+    opened = job_for(resolve_spec(job.root, None), meta, job)
+    spec = opened.spec
     committed: dict[int, dict[str, Any]] = {}
     state = job.state(meta.rows)
     for table, mask in job.iter_final_rows(state):
         for row, keep in zip(table.to_pylist(), mask):
             if keep and not is_error(row):
                 committed[int(row[ROW_ID])] = row
-    preprocess = job_preprocess(spec)
-    task = spec.resolved_task()
+    preprocess = opened.preprocess()
+    task = opened.task
     order = sorted(committed)
     random.Random(seed).shuffle(order)
     report = VerifyReport()
@@ -178,7 +179,8 @@ def verify_job(job_dir: str | Path, sample: int = 100, seed: int = 0, out: str |
         mask[chosen] = True
         answers: dict[int, dict[str, Any]] = {}
         with quiet_ray_data():
-            for table in build_job_processor(again_spec)(todo_dataset(job, meta, mask)).iter_batches(
+            again = job_for(again_spec, meta, job)
+            for table in build_job_processor(again)(todo_dataset(again, mask)).iter_batches(
                     batch_size=None, batch_format="pyarrow"):
                 for row in decode_rows(table):
                     answers[int(row[ROW_ID])] = row
