@@ -79,17 +79,20 @@ def validate_structured(spec: dict[str, Any]) -> dict[str, Any]:
     return spec
 
 
-def structured_spec(raw: Any) -> dict[str, Any] | None:
-    """A row's ``structured_outputs`` checked: its keys here, then its JSON schema, regex and
-    choices as every engine checks them (:func:`validate_structured`)."""
+def structured_spec(raw: Any, known: tuple[str, ...] | list[str] = STRUCTURED_KEYS) -> dict[str, Any] | None:
+    """A row's ``structured_outputs`` checked: its keys against ``known`` (an engine may pass its
+    own list, as vLLM's engine passes its live ``StructuredOutputsParams`` fields), then its JSON
+    schema, regex and choices as every engine checks them (:func:`validate_structured`); unset
+    and false fields dropped (``backend``, the old ``guided_decoding`` field, too: the engine picks)."""
     if raw is None:
         return None
     if not isinstance(raw, dict):
         raise RowValidationError(f"structured_outputs must be a dict (e.g. {{'choice': [...]}}), got {type(raw).__name__}")
     spec = {k: v for k, v in raw.items() if v not in (None, False) and k != "backend"}
     for key in spec:
-        if key not in STRUCTURED_KEYS:
-            raise RowValidationError(f"unknown structured_outputs key '{key}'{suggestion(key, STRUCTURED_KEYS)}")
+        if key not in known:
+            raise RowValidationError(f"unknown structured_outputs key '{key}'{suggestion(key, known)}; "
+                                     f"known: {', '.join(known)}")
     spec = validate_structured(spec)
     return spec or None
 

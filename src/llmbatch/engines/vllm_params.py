@@ -13,7 +13,7 @@ import json
 from typing import Any
 
 from llmbatch.errors import RowValidationError, suggestion
-from llmbatch.params import check_types, row_sampling_params, validate_structured
+from llmbatch.params import check_types, row_sampling_params, structured_spec
 
 
 def request_digest(prompt: list[int] | str, canonical: Any, lora: str | None) -> bytes:
@@ -29,21 +29,16 @@ def request_digest(prompt: list[int] | str, canonical: Any, lora: str | None) ->
 
 
 def structured_outputs(spec: Any):
+    """A row's structured-output spec as vLLM's ``StructuredOutputsParams``, checked by
+    :func:`llmbatch.params.structured_spec` against the fields this vLLM knows."""
     from vllm.sampling_params import StructuredOutputsParams
 
     if isinstance(spec, StructuredOutputsParams):
         return spec
-    if not isinstance(spec, dict):
-        raise RowValidationError(f"structured_outputs must be a dict (e.g. {{'choice': [...]}}), got {type(spec).__name__}")
-    spec = {k: v for k, v in spec.items() if v is not None}
-    spec.pop("backend", None)  # legacy guided_decoding field; the engine picks the backend
     known = [f for f in StructuredOutputsParams.__dataclass_fields__ if not f.startswith("_")]
-    for key in spec:
-        if key not in known:
-            raise RowValidationError(f"unknown structured_outputs key '{key}'{suggestion(key, known)}; known: {', '.join(known)}")
-    spec = validate_structured(spec)
+    checked = structured_spec(spec, known)
     try:
-        return StructuredOutputsParams(**spec)
+        return StructuredOutputsParams(**(checked or {}))
     except Exception as exc:  # noqa: BLE001
         raise RowValidationError(f"invalid structured_outputs: {exc}") from exc
 
