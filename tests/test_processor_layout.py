@@ -90,10 +90,14 @@ def test_one_replica_takes_blocks_of_several_batches_and_works_on_as_many_batche
     (op,) = p.operators({"CPU": 2.0})
     assert (op.batch_size, op.block_batches, op.block_rows) == (256, 4, 1024)
     assert op.max_concurrent_calls * op.block_batches == p.layout.max_concurrent_batches  # batches in flight as configured
-    # a user's own max_concurrent_batches bounds a block too
+    # a user's own max_concurrent_batches bounds a block too: half of them at most, so that a
+    # replica works on two blocks (one fills the engine while the other's slowest batch drains)
+    p = build_processor(vLLMEngineProcessorConfig(model_source=MODEL, batch_size=4, max_concurrent_batches=8))
+    (op,) = p.operators({"CPU": 2.0})
+    assert (op.block_batches, op.max_concurrent_calls) == (4, 2)
     p = build_processor(vLLMEngineProcessorConfig(model_source=MODEL, batch_size=4, max_concurrent_batches=2))
     (op,) = p.operators({"CPU": 2.0})
-    assert (op.block_batches, op.max_concurrent_calls) == (2, 1)
+    assert (op.block_batches, op.max_concurrent_calls) == (1, 2)
     # blocks of one batch where they spread over several replicas (a small input reaches each)
     p = build_processor(vLLMEngineProcessorConfig(model_source=MODEL, batch_size=4, concurrency=2))
     (op,) = p.operators({"CPU": 8.0})

@@ -184,8 +184,10 @@ class Processor:
             remote["ray_remote_args_fn"] = lay.engine_remote_args_fn
             remote.pop("num_gpus", None)
         remote.update(lay.engine_resources or {})
-        # a block's batches count among the max_concurrent_batches a replica works on
-        per_block = min(block_batches(lay.batch_size, hi), lay.max_concurrent_batches)
+        # a block's batches count among the max_concurrent_batches a replica works on, and a
+        # replica works on two blocks at least: a block ends with its slowest batch, so one block
+        # alone would leave the engine idle while it drains (rows of uneven lengths)
+        per_block = min(block_batches(lay.batch_size, hi), max(1, lay.max_concurrent_batches // 2))
         calls = max(1, lay.max_concurrent_batches // per_block)
         in_flight = lay.max_tasks_in_flight or 2 * calls
         return Operator("engine", [lay.engine], lay.batch_size, lo, hi, remote, in_flight, calls, per_block)
