@@ -220,14 +220,17 @@ class JobDir:
         if self._next_part is None:
             files = self.part_files()
             self._next_part = self.part_index(files[-1]) + 1 if files else 0
+        # the index is taken before the write: a Ctrl-C (KeyboardInterrupt) that lands after the
+        # part is in place but before the count moved on would make the stop's own last commit
+        # find its name taken (a gap in the numbers is harmless: parts are ordered, not counted)
         path = self.parts_dir / f"part-{self._next_part:06d}.parquet"
+        self._next_part += 1
         try:
             atomic_write_parquet(table, path, replace=False)
         except FileExistsError:
             raise JobError(f"{path} was committed by another driver while this one held the job's lock (does "
                            "this filesystem honour flock? NFS and some FUSE mounts do not); nothing was "
                            "replaced: stop the other driver and resume") from None
-        self._next_part += 1
         return path
 
     def state(self, rows: int | None = None) -> State:
