@@ -34,6 +34,7 @@ def log_here() -> None:
     if not folder:
         folder = tempfile.mkdtemp(prefix=OWN_PREFIX, dir="/tmp")
         os.environ[START_DIR_ENV] = folder
+    Path(folder).mkdir(parents=True, exist_ok=True)  # one named by the caller may not exist yet
     worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
     os.environ["LLMBATCH_START_LOG"] = str(Path(folder) / f"{worker}.jsonl")
 

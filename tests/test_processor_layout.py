@@ -15,8 +15,8 @@ def test_default_stages_run_inside_the_engine_replicas():
     ops = p.operators({"CPU": 2.0})
     assert names(ops) == ["preprocess+chat_template+tokenize+engine+detokenize+postprocess"]
     assert ops[0].remote_args["num_cpus"] == 0.0  # a 2-CPU machine keeps its CPUs for the input plan
-    # 64 batches side by side per replica: 2 calls of blocks of 32 batches (MIN_BLOCK_ROWS)
-    assert ops[0].max_concurrent_calls * ops[0].block_batches == 64 and ops[0].min_workers == ops[0].max_workers == 1
+    assert ops[0].max_concurrent_calls == 64 and ops[0].min_workers == ops[0].max_workers == 1
+    assert ops[0].block_batches == 1  # placement.MIN_BLOCK_ROWS is off by default
 
 
 def test_stage_with_own_settings_gets_its_own_workers():
@@ -83,7 +83,10 @@ def test_the_output_stage_runs_last_in_the_last_operator_and_nothing_else_carrie
     assert not flags & set(inspect.signature(StageRunner).parameters)
 
 
-def test_one_replica_takes_blocks_of_several_batches_and_works_on_as_many_batches():
+def test_one_replica_takes_blocks_of_several_batches_and_works_on_as_many_batches(monkeypatch):
+    from llmbatch import placement
+
+    monkeypatch.setattr(placement, "MIN_BLOCK_ROWS", 1024)
     # a Ray Data block costs a task and its bookkeeping: one replica gets blocks of
     # MIN_BLOCK_ROWS rows that it runs as batches of batch_size side by side
     p = build_processor(vLLMEngineProcessorConfig(model_source=MODEL, batch_size=256), preprocess=lambda r: r)
@@ -111,7 +114,7 @@ def test_a_gpu_node_with_cpus_to_spare_prepares_rows_in_a_pool_of_their_own():
     prepare, engine = ops
     # 16 CPUs: one for the replica, CPU_HEADROOM for the input plan, the rest prepare rows
     assert (prepare.min_workers, prepare.max_workers, prepare.remote_args["num_cpus"]) == (1, 13, 1.0)
-    assert prepare.block_rows == engine.block_rows == 1024  # no re-blocking between them
+    assert prepare.block_rows == engine.block_rows == 256  # no re-blocking between them
     # the dedup key stays the engine stage's: every row still reaches the engine operator
     assert [s.name for s in engine.stages] == ["engine", "detokenize", "output"]
     # a CPU machine, or a GPU node without CPUs to spare: the replicas keep them

@@ -12,11 +12,15 @@ DEFAULT_STAGE_NUM_CPUS = 0.0
 #: the input plan that may hold its CPU while it waits (a read that a ``limit`` no longer
 #: consumes), one for the task that must run next (a shuffle, a write).
 CPU_HEADROOM = 2.0
-#: Rows a Ray Data block holds at least where one worker takes every block: each block costs a
-#: task, its objects and the executor's bookkeeping (a few milliseconds of the driver's and the
-#: worker's CPU on a small machine), so a block carries several batches of ``batch_size`` rows,
-#: which the worker runs side by side as separate batches (``stages/runner.run_batches``).
-MIN_BLOCK_ROWS = 1024
+#: Rows a Ray Data block holds at least where one worker takes every block (0: one batch a
+#: block). Each block costs a task, its objects and the executor's bookkeeping (a few
+#: milliseconds of the driver's and the worker's CPU on a small machine), and a block of several
+#: batches runs them side by side (``stages/runner.run_batches``): 1,024 rows gave the H100
+#: figures of bench/RESULTS. Off by default: Ray Data hands a task's output on only when the
+#: task ends (its output buffer builds blocks of ``target_max_block_size``), so the rows of a
+#: block of several batches leave together, after its slowest batch: commits, progress and a
+#: job's last rows wait for it, and a SIGTERM'd or killed job loses more (test_jobs, test_terminal).
+MIN_BLOCK_ROWS = 0
 
 
 def block_batches(batch_size: int, workers: int) -> int:

@@ -153,7 +153,10 @@ class Committer:
             names = list(dict.fromkeys(n for t in self.buffer for n in t.column_names))
             schema = unify_schema([t.schema for t in self.buffer], names)
             table = pa.concat_tables([conform(t, schema) for t in self.buffer])
-        self.job.commit(table)
+        # a part holds commit_rows rows at most, however many came at once (a block of several
+        # batches leaves together)
+        for start in range(0, table.num_rows, self.commit_rows):
+            self.job.commit(table.slice(start, self.commit_rows))
         self.buffer = []
         self.buffered = 0
         self.last_commit = time.monotonic()
