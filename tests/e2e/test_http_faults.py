@@ -153,10 +153,12 @@ def test_every_row_answered_or_an_error_row_and_the_limits_hold(ray_cluster, ser
     # the faults were met (and retried): the first attempt of 9 rows in 20 failed
     for status in ("429", "500", "502", "503", "dropped", "badjson", "truncated", "400"):
         assert seen["statuses"].get(status), (status, seen["statuses"])
-    # and the limit, not the faults, set the pace: ~34 tokens a row at TPM/60 tokens/s
-    assert took < 3 * ROWS * 34 / (TPM / 60) + 60, took
     assert_no_secret(job_dir)
     job_stats = json.loads((job_dir / "stats.json").read_text())
+    # and the limit, not the faults, set the pace: ~34 tokens a row at TPM/60 tokens/s, over the
+    # job's rows phase (its own clock: the process's start-up, which a loaded machine stretches,
+    # is not the rows' pace; the whole run was bounded at start-up + 60 s before)
+    assert job_stats["phases_s"]["rows"] < 3 * ROWS * 34 / (TPM / 60), (job_stats["phases_s"], took)
     assert job_stats["input_tokens"] > 0 and job_stats["errors_by_type"] == {
         "engine: HttpStatusError": 2, "engine: EndpointTimeoutError": 1, "engine: EndpointConnectionError": 1}
 
