@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import argparse
 import csv
+import glob
 import json
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -78,11 +81,15 @@ def run_llmbatch(args) -> dict:
         cmd += ["--set", s]
     gpu = GpuSampler()
     t0 = time.time()
+    killed = {}
+    if args.kill_at:  # SIGKILL the job's process group once this many rows are committed, then resume
+        killed = kill_when_committed(cmd, folder / "out.parquet.job", args.kill_at, args.timeout)
+        cmd = [sys.executable, "-m", "llmbatch", "resume", str(folder / "out.parquet.job"), "--quiet"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     wall = time.time() - t0
     points = gpu.stop()
     result = {"system": "llmbatch", "rows": args.rows, "rc": proc.returncode, "wall_s": round(wall, 2),
-              "gpu": points, "sets": args.sets}
+              "gpu": points, "sets": args.sets, **killed}
     if proc.returncode != 0:
         result["stderr"] = proc.stderr[-4000:]
         log = folder / "out.parquet.job" / "log.txt"
@@ -95,11 +102,44 @@ def run_llmbatch(args) -> dict:
     ids = pq.read_table(folder / "out.parquet", columns=["Index"]).column(0).to_pylist()
     timeline = in_flight_timeline(job_dir)
     rows_start = (stats["phases_s"].get("to_first_row") or 0)
+    if args.kill_at:
+        import pyarrow.csv as pacsv
+
+        companies = pacsv.read_csv(args.input, convert_options=pacsv.ConvertOptions(include_columns=["Company"]))
+        result["distinct_prompts"] = len(set(companies.column(0).slice(0, args.rows).to_pylist()))
     result.update(rows_ok=stats["rows_ok"], rows_error=stats["rows_error"], ids_once=len(ids) == len(set(ids)) == args.rows,
                   requests_to_engine=stats["rows_ok"] - stats["deduplicated_rows"],
                   generated_tokens=stats["generated_tokens"], phases_s=stats["phases_s"], in_flight=timeline,
                   gpu_busy_rows_phase=busy_share(points, rows_start), output=str(folder / "out.parquet"))
     return result
+
+
+def committed_rows(job_dir: Path) -> int:
+    import pyarrow.parquet as pq
+
+    total = 0
+    for part in glob.glob(str(job_dir / "parts" / "*.parquet")):
+        try:
+            total += pq.read_metadata(part).num_rows
+        except Exception:  # noqa: BLE001 - a part being renamed into place
+            pass
+    return total
+
+
+def kill_when_committed(cmd: list[str], job_dir: Path, rows: int, timeout: float) -> dict:
+    """Run ``cmd`` in a session of its own; SIGKILL the whole session once ``rows`` rows are
+    committed. Returns when it was killed and how many rows were committed then."""
+    t0 = time.time()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    committed = 0
+    while proc.poll() is None and time.time() - t0 < timeout:
+        committed = committed_rows(job_dir)
+        if committed >= rows:
+            break
+        time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    return {"killed_after_s": round(time.time() - t0, 2), "killed_at_rows": committed_rows(job_dir)}
 
 
 def run_vllm(args) -> dict:
@@ -164,6 +204,8 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], dest="sets")
     ap.add_argument("--timeout", type=int, default=560)
     ap.add_argument("--compare", default="")
+    ap.add_argument("--kill-at", type=int, default=0, help="SIGKILL the job once this many rows are committed, "
+                    "then `llmbatch resume` it (wall: both, from the first launch)")
     ap.add_argument("--engine-kwargs", default="", help="JSON: instead of the pinned GPU settings (a CPU dry run)")
     args = ap.parse_args()
     if args.engine_kwargs:

@@ -75,11 +75,16 @@ def in_flight_timeline(job_dir: Path, step: float = 1.0) -> list[list[float]]:
     requests the engine held as they finished] per ``step`` seconds, from the committed rows."""
     import pyarrow.parquet as pq
 
+    import pyarrow.compute as pc
+
     points = []
     for part in sorted(glob.glob(str(job_dir / "parts" / "*.parquet"))):
-        table = pq.read_table(part, columns=["__llmbatch_stats"])
-        for st in table.column("__llmbatch_stats").to_pylist():
-            if st and st.get("finished_at") and not st.get("deduped"):
+        stats = pq.read_table(part, columns=["__llmbatch_stats"]).column(0)
+        if stats.null_count == len(stats) or not hasattr(stats.type, "get_field_index"):
+            continue
+        sent = pc.invert(pc.fill_null(pc.struct_field(stats, "deduped"), True))  # rows answered by the engine
+        for st in stats.filter(sent).to_pylist():
+            if st and st.get("finished_at"):
                 points.append((st["finished_at"], st.get("in_flight") or 0))
     if not points:
         return []

@@ -59,6 +59,12 @@ def test_dedup_and_ordering_never_change_answers(ray_cluster, smollm2, tmp_path)
         by_question.setdefault(r["question"], set()).add(on["answers"][r["id"]])
     assert all(len(v) == 1 for v in by_question.values())  # identical requests, identical answers
     assert on["stats"]["dedup_ratio"] >= 0.5 and on["stats"]["deduplicated_rows"] >= 32
+    # the driver folded the identical rows (jobs/fold.py): one request per distinct question
+    distinct = len({r["question"] for r in rows})
+    assert on["stats"]["rows_ok"] - on["stats"]["deduplicated_rows"] == distinct
+    log = (tmp_path / "on.parquet.job" / "log.txt").read_text()
+    assert f"{distinct} of 64 rows go to the engine" in log, log[-2000:]
+    assert "go to the engine" not in (tmp_path / "off.parquet.job" / "log.txt").read_text()
     assert off["stats"]["dedup_ratio"] == 0.0
     for run in (on, off):
         assert run["stats"]["rows_error"] == 0

@@ -22,6 +22,7 @@ from llmbatch.cluster import ensure_ray
 from llmbatch.codec import decode_rows, encode_rows, rows_to_table
 from llmbatch.errors import EngineStartError, JobError, LLMBatchError, RowError
 from llmbatch.io.writers import conform, unify_schema
+from llmbatch.jobs.fold import Fold
 from llmbatch.jobs.identity import config_hash
 from llmbatch.jobs.ingest import INGEST_ROWS, input_rows
 from llmbatch.jobs.job import Job
@@ -70,8 +71,10 @@ def seed_answers(processor: Processor, job: Job) -> None:
 class Committer:
     """Buffers the output stream and commits it in parts; drops rows already committed."""
 
-    def __init__(self, job: JobDir, done: np.ndarray, progress: Progress, commit_rows: int, commit_seconds: float):
+    def __init__(self, job: JobDir, done: np.ndarray, progress: Progress, commit_rows: int, commit_seconds: float,
+                 fold: Fold | None = None):
         self.job = job
+        self.fold = fold
         self.done = done
         self.progress = progress
         self.commit_rows = commit_rows
@@ -93,6 +96,17 @@ class Committer:
 
     def _add(self, table: pa.Table) -> None:
         self.progress.arrived()
+        table = self._keep(table)
+        if table is None:
+            return
+        if self.fold is not None:
+            for followers in self.fold.answered(table, self.done):
+                self._keep(followers)
+        if self.buffered >= self.commit_rows or time.monotonic() - self.last_commit >= self.commit_seconds:
+            self._flush()
+
+    def _keep(self, table: pa.Table) -> pa.Table | None:
+        """Buffer the rows of ``table`` not committed before (nor twice in it); what was kept."""
         ids = table.column(ROW_ID).to_numpy()
         fresh = ~self.done[ids]
         _, first = np.unique(ids, return_index=True)
@@ -103,12 +117,11 @@ class Committer:
         if not keep.all():
             table = table.filter(pa.array(keep))
         if table.num_rows == 0:
-            return
+            return None
         self.done[table.column(ROW_ID).to_numpy()] = True
         self.buffer.append(table)
         self.buffered += table.num_rows
-        if self.buffered >= self.commit_rows or time.monotonic() - self.last_commit >= self.commit_seconds:
-            self._flush()
+        return table
 
     def flush(self) -> None:
         with self._lock:
@@ -118,7 +131,8 @@ class Committer:
         """Commit what waits once ``commit_seconds`` have passed, also when no batch arrives:
         rows answered before a long last batch must not wait for it uncommitted."""
         with self._lock:
-            if self.buffer and time.monotonic() - self.last_commit >= self.commit_seconds:
+            due = time.monotonic() - self.last_commit >= self.commit_seconds
+            if due and (self.buffer or self.fold is not None):
                 self._flush()
 
     @contextlib.contextmanager
@@ -145,6 +159,9 @@ class Committer:
             thread.join(timeout=60)
 
     def _flush(self) -> None:
+        if self.fold is not None:  # every follower whose answer is here goes with this commit
+            for followers in self.fold.emit(self.done, everything=True):
+                self._keep(followers)
         if not self.buffer:
             return
         try:
@@ -164,7 +181,7 @@ class Committer:
 
 
 def todo_dataset(job: Job, todo: np.ndarray):
-    """The input rows still to do, as a Ray Dataset of encoded rows (one block per input
+    """The input rows to send (``todo``), as a Ray Dataset of encoded rows (one block per input
     file; the processor cuts it into blocks of one engine batch)."""
     import ray
     import ray.data
@@ -179,8 +196,7 @@ def todo_dataset(job: Job, todo: np.ndarray):
 
     def load(batch: pa.Table) -> pa.Table:
         mask = _todo_mask(todo_ref)
-        rows = [row for path in batch.column("path").to_pylist() for row in input_rows(Path(path)) if mask[row[ROW_ID]]]
-        return encode_rows(rows)
+        return encode_rows([row for path in batch.column("path").to_pylist() for row in input_rows(Path(path), mask=mask)])
 
     ds = ray.data.from_items([{"path": f} for f in files], override_num_blocks=max(1, len(files)))
     return ds.map_batches(load, batch_size=1, batch_format="pyarrow", zero_copy_batch=True)
@@ -202,9 +218,10 @@ def _todo_mask(ref) -> np.ndarray:
 def _run_pass(job: Job, todo: np.ndarray, done: np.ndarray, progress: Progress) -> None:
     processor = build_job_processor(job)
     seed_answers(processor, job)
-    out = processor(todo_dataset(job, todo))
+    fold = fold_rows(job, todo)
+    out = processor(todo_dataset(job, todo if fold is None else fold.send))
     progress.watch_replicas(processor.run_id)  # the start-up phase, from the replicas' heartbeats
-    committer = Committer(job.dir, done, progress, job.spec.commit_rows, job.spec.commit_seconds)
+    committer = Committer(job.dir, done, progress, job.spec.commit_rows, job.spec.commit_seconds, fold)
     try:
         with committer.timer():
             for table in out.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=1):
@@ -213,6 +230,18 @@ def _run_pass(job: Job, todo: np.ndarray, done: np.ndarray, progress: Progress) 
         committer.flush()
         if committer.duplicates:
             job.log(f"dropped {committer.duplicates} repeated rows (retried tasks)")
+
+
+def fold_rows(job: Job, todo: np.ndarray) -> Fold | None:
+    """The pass's groups of identical rows (``jobs.fold``), where the job's rows can fold."""
+    columns = job.kind.fold_columns(job)
+    if not columns:
+        return None
+    fold = Fold(job.dir.input_files(), job.meta.ingest_rows or INGEST_ROWS, todo, columns)
+    if fold.followers:
+        job.log(f"{int(fold.send.sum())} of {int(todo.sum())} rows go to the engine: the other {fold.followers} "
+                f"ask what one of them asks ({', '.join(columns)} equal) and take its answer")
+    return fold
 
 
 def explain_failure(exc: BaseException) -> LLMBatchError | None:

@@ -17,10 +17,12 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from llmbatch.codec import digest64, rows_to_table, table_to_rows
 from llmbatch.errors import JobError
+from llmbatch.io.csv_tables import ColumnTypes, NotClean
 from llmbatch.io.files import fsync_dir, write_parquet_synced
 from llmbatch.io.readers import READ_ERROR, TextTypes, infer_format, read_rows
 from llmbatch.jobs.store import JobDir
@@ -31,11 +33,14 @@ INGEST_ROWS = 20_000
 KEY_COLUMN = "__llmbatch_key"
 
 
-def input_rows(path: Path, ids: np.ndarray | None = None) -> list[dict[str, Any]]:
-    """The rows of one input file (only ``ids`` when given), as the processor gets them."""
+def input_rows(path: Path, ids: np.ndarray | None = None, mask: np.ndarray | None = None) -> list[dict[str, Any]]:
+    """The rows of one input file (only ``ids``, or the ids ``mask`` marks, when given), as the
+    processor gets them."""
     table = pq.read_table(path)
     if ids is not None:
         table = table.filter(pa.array(np.isin(table.column(ROW_ID).to_numpy(), ids)))
+    if mask is not None:
+        table = table.filter(pa.array(mask[table.column(ROW_ID).to_numpy()]))
     rows = table_to_rows(table.drop_columns([KEY_COLUMN]))
     for row in rows:
         if not row.get(ERROR_COLUMN):
@@ -75,19 +80,22 @@ class _Writer:
 
 
 def ingest(job: JobDir, path: str, fmt: str | None, columns: list[str] | None, limit: int | None,
-           id_column: str | None, batches: Iterator[list[dict[str, Any]]] | None = None) -> dict[str, Any]:
+           id_column: str | None, batches: Iterator[list[dict[str, Any]]] | None = None,
+           tables: Iterator[pa.Table] | None = None) -> dict[str, Any]:
     """Read the input once into ``input/`` with stable row ids; returns what it learned
     (rows, columns, CSV column types). ``batches``: the records as the job's kind reads them
-    (default: ``path`` read as a table).
+    (default: ``path`` read as a table); ``tables``: the same rows as Arrow tables of CSV text,
+    tried first (``io.csv_tables``: a file it cannot read as the records are read is read
+    from ``batches`` instead).
 
     Raises :class:`JobError` when ``id_column`` is missing or has duplicate values.
     """
-    if job.input_dir.exists():
-        shutil.rmtree(job.input_dir)
-    tmp_dir = job.root / ".input.tmp"
-    if tmp_dir.exists():
-        shutil.rmtree(tmp_dir)
-    tmp_dir.mkdir(parents=True)
+    if tables is not None:
+        try:
+            return _ingest_tables(job, tables, id_column)
+        except NotClean as exc:
+            job.log(f"input read record by record: {exc}")
+    tmp_dir = _fresh_dirs(job)
     writer = _Writer(tmp_dir, id_column)
     types = TextTypes() if (fmt or infer_format(path)) == "csv" else None
     next_id = 0
@@ -125,6 +133,64 @@ def ingest(job: JobDir, path: str, fmt: str | None, columns: list[str] | None, l
     fsync_dir(job.root)
     return {"rows": next_id, "columns": columns_list,
             "column_types": types.result(columns_list) if types is not None else {}}
+
+
+def _fresh_dirs(job: JobDir) -> Path:
+    """An empty folder to stage ``input/`` in (and no ``input/`` left from before)."""
+    if job.input_dir.exists():
+        shutil.rmtree(job.input_dir)
+    tmp_dir = job.root / ".input.tmp"
+    if tmp_dir.exists():
+        shutil.rmtree(tmp_dir)
+    tmp_dir.mkdir(parents=True)
+    return tmp_dir
+
+
+def _ingest_tables(job: JobDir, tables: Iterator[pa.Table], id_column: str | None) -> dict[str, Any]:
+    """:func:`ingest` from Arrow tables of CSV text (``io.csv_tables``): the same files, ids
+    and column types as the record path gives a clean file. Raises :class:`NotClean` where an
+    id is empty or repeated (the record path says which)."""
+    tmp_dir = _fresh_dirs(job)
+    types = ColumnTypes()
+    pending: list[pa.Table] = []
+    pending_rows = part = next_id = 0
+    names: list[str] = []
+    keys: list[pa.ChunkedArray] = []
+
+    def write(table: pa.Table) -> None:
+        nonlocal part
+        write_parquet_synced(table, tmp_dir / f"part-{part:05d}.parquet")
+        part += 1
+
+    for table in tables:
+        names = names or table.column_names
+        if id_column is not None and id_column not in table.column_names:
+            raise JobError(f"input.id_column {id_column!r} is not a column of the input; columns: {sorted(names)}")
+        types.add_table(table)
+        ids = pa.array(np.arange(next_id, next_id + table.num_rows, dtype=np.int64))
+        next_id += table.num_rows
+        if id_column is None:
+            key = pc.cast(ids, pa.string())
+        else:
+            key = table.column(id_column)
+            if pc.any(pc.equal(key, "")).as_py():
+                raise NotClean(f"an empty id in {id_column!r}")
+            keys.append(key)
+        pending.append(table.append_column(ROW_ID, ids).append_column(KEY_COLUMN, key))
+        pending_rows += table.num_rows
+        while pending_rows >= INGEST_ROWS:
+            whole = pa.concat_tables(pending)
+            write(whole.slice(0, INGEST_ROWS))
+            pending = [whole.slice(INGEST_ROWS)]
+            pending_rows -= INGEST_ROWS
+    if pending_rows:
+        write(pa.concat_tables(pending))
+    if keys and pc.count_distinct(pa.chunked_array([c for k in keys for c in k.chunks])).as_py() != next_id:
+        raise NotClean(f"repeated ids in {id_column!r}")
+    fsync_dir(tmp_dir)
+    os.replace(tmp_dir, job.input_dir)
+    fsync_dir(job.root)
+    return {"rows": next_id, "columns": names, "column_types": types.result(names)}
 
 
 def _check_duplicates(keys: np.ndarray, staged: Path, id_column: str) -> None:

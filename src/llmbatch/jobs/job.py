@@ -40,8 +40,18 @@ class JobKind:
         """The input's records, in batches (a record that cannot be read carries its error)."""
         raise NotImplementedError
 
+    def read_tables(self, job: Job) -> Iterator[Any] | None:
+        """The input as Arrow tables where a fast reader can read it as :meth:`read` would
+        (it may still give up: ``ingest``), else None."""
+        return None
+
     def check_columns(self, job: Job, columns: list[str]) -> None:
         """Fail before any work where the job names a field the input does not have."""
+
+    def fold_columns(self, job: Job) -> list[str] | None:
+        """The input columns that decide a row's request, where rows equal in them can share
+        one answer (``jobs.fold``); None: every row goes through the processor."""
+        return None
 
     def preprocess(self, job: Job) -> Callable[[Row], Row]:
         """The processor's preprocess: row -> request."""

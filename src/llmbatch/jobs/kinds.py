@@ -14,7 +14,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from llmbatch.io.readers import DEFAULT_BATCH_ROWS, read_rows
+from llmbatch.io.csv_tables import csv_tables
+from llmbatch.io.readers import DEFAULT_BATCH_ROWS, infer_format, read_rows
+from llmbatch.jobs.fold import WRITTEN_COLUMNS
 from llmbatch.jobs.job import Job, JobKind, Row
 from llmbatch.jobs.meta import JobMeta
 from llmbatch.jobs.openai_batch import (
@@ -41,8 +43,32 @@ class RowsKind(JobKind):
         inp = job.spec.input
         return read_rows(inp.path, inp.format, inp.columns, inp.limit, batch_rows or DEFAULT_BATCH_ROWS)
 
+    def read_tables(self, job: Job) -> Iterator[Any] | None:
+        inp = job.spec.input
+        if (inp.format or infer_format(inp.path)) != "csv":
+            return None
+        return csv_tables(inp.path, inp.columns, inp.limit)
+
     def check_columns(self, job: Job, columns: list[str]) -> None:
         check_prompt_fields(job.spec, columns)
+
+    def fold_columns(self, job: Job) -> list[str] | None:
+        """The prompt's fields, where the request is the prompt templates' alone: no function of
+        the user's on either side, no media, deterministic answers, and no input column that
+        the processor would overwrite."""
+        spec, prompt = job.spec, job.spec.prompt
+        if prompt is None or spec.preprocess or spec.postprocess or prompt.image_column or prompt.audio_column:
+            return None
+        if not getattr(job.config, "dedup_requests", True):
+            return None
+        if job.task == "generate":
+            params = spec.sampling_params or {}
+            if not (params.get("temperature") == 0 or params.get("seed") is not None) or params.get("n", 1) != 1:
+                return None
+        columns = job.meta.columns if job.meta is not None else []
+        if set(columns) & WRITTEN_COLUMNS:
+            return None
+        return prompt.fields() or None
 
     def preprocess(self, job: Job) -> Callable[[Row], Row]:
         return job_preprocess(job.spec, job.task)

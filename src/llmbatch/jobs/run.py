@@ -134,7 +134,7 @@ def read_input(job: Job) -> JobMeta:
     fingerprint = input_fingerprint(spec.input.path)
     job.kind.check_input(job)
     info = ingest(job.dir, spec.input.path, spec.input.format, spec.input.columns, spec.input.limit,
-                  spec.input.id_column, job.kind.read(job))
+                  spec.input.id_column, job.kind.read(job), job.kind.read_tables(job))
     if not info["rows"]:
         raise ConfigError(f"{INPUT}: the input has no {job.kind.holds}: {spec.input.path} holds none")
     job.kind.check_columns(job, info["columns"])

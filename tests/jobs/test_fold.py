@@ -1,0 +1,180 @@
+"""Folding identical rows in the driver (jobs/fold.py): which rows go to the engine, and the
+followers built from their own input columns and their group's answer, committed once each.
+
+The representatives' output rows are made here (the engine's part is not what these test);
+tests/e2e/test_workload_optimizations.py runs folded jobs on the real engine."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from llmbatch.codec import decode_rows, encode_rows, rows_to_table
+from llmbatch.jobs import fold as fold_module
+from llmbatch.jobs import ingest as ingest_module
+from llmbatch.jobs.driver import Committer
+from llmbatch.jobs.fold import Fold, group_codes
+from llmbatch.jobs.ingest import ingest, input_rows
+from llmbatch.jobs.meta import JobMeta
+from llmbatch.jobs.store import JobDir
+from llmbatch.progress import Progress
+from llmbatch.rows import ANSWER, ERROR_COLUMN, ROW_ID, STATS
+
+COMPANIES = ["Acme", "Birch", "Acme", "Cobalt", "Birch", "Acme", None, "Dune", "Acme", None, "Cobalt", "Acme"]
+
+
+def test_group_codes_are_dense_and_equal_values_share_one():
+    table = pa.table({"a": ["x", "y", "x", None, None, "y"], "b": [1, 1, 1, 2, 2, 2]})
+    one = group_codes(table, ["a"])
+    assert one[0] == one[2] and one[1] == one[5] and one[3] == one[4]
+    assert len(set(one.tolist())) == 3 and set(one.tolist()) == {0, 1, 2}
+    two = group_codes(table, ["a", "b"])
+    assert two[0] == two[2] and two[3] == two[4] and two[1] != two[5]  # ("y", 1) and ("y", 2) differ
+    assert set(two.tolist()) == set(range(4))
+    lists = pa.table({"m": [[1, 2], [1, 2], [3]]})  # a type Arrow cannot hash: compared as text
+    codes = group_codes(lists, ["m"])
+    assert codes[0] == codes[1] != codes[2]
+
+
+@pytest.fixture
+def job(tmp_path, monkeypatch):
+    """An ingested job of 12 rows in three input files of 5, 5 and 2 rows."""
+    monkeypatch.setattr(ingest_module, "INGEST_ROWS", 5)
+    with open(tmp_path / "in.jsonl", "w") as fh:
+        for i, company in enumerate(COMPANIES):
+            fh.write(json.dumps({"Index": f"cust-{i}", "Company": company, "City": f"city {i}"}) + "\n")
+    job = JobDir(tmp_path / "job")
+    job.root.mkdir()
+    learned = ingest(job, str(tmp_path / "in.jsonl"), None, None, None, None)
+    job.write_meta(JobMeta(spec={}, result_fields={}, numerics_fields={}, config_hash="", rows=learned["rows"],
+                           ingested=True, ingest_rows=5, columns=learned["columns"]))
+    return job
+
+
+def answered(job: JobDir, ids) -> pa.Table:
+    """The processor's output rows for ``ids`` (each row's input columns and an answer that
+    names its company; an empty company fails as the template would)."""
+    rows = []
+    for path in job.input_files():
+        for row in input_rows(path, np.asarray(ids)):
+            company = row["Company"]
+            if company is None:
+                row.update({ERROR_COLUMN: "preprocess: RowValidationError: template field {Company} is empty",
+                            "generated_text": "", STATS: None, ANSWER: None})
+            else:
+                row.update({ERROR_COLUMN: "", "generated_text": f"about {company}", "num_generated_tokens": 2,
+                            "messages": [{"role": "user", "content": f"What does {company} do?"}],
+                            STATS: {"replica": "r0", "deduped": False, "in_flight": 3},
+                            ANSWER: f'{{"k":"{company}"}}'})
+            rows.append(row)
+    return encode_rows(rows)
+
+
+def committed(job: JobDir) -> list[dict]:
+    return pa.concat_tables([pq.read_table(p) for p in job.part_files()], promote_options="permissive").to_pylist()
+
+
+def test_one_row_per_group_goes_to_the_engine_and_the_rest_take_its_answer(job):
+    rows = len(COMPANIES)
+    todo = np.ones(rows, dtype=bool)
+    fold = Fold(job.input_files(), 5, todo, ["Company"])
+    # the first row of each group: Acme 0, Birch 1, Cobalt 3, None 6, Dune 7
+    assert np.flatnonzero(fold.send).tolist() == [0, 1, 3, 6, 7]
+    assert fold.followers == rows - 5
+    done = np.zeros(rows, dtype=bool)
+    progress = Progress(rows, tty=False, quiet=True)
+    committer = Committer(job, done, progress, commit_rows=4, commit_seconds=3600, fold=fold)
+    committer.add(answered(job, [0, 1]))
+    committer.add(answered(job, [3, 6, 7]))
+    committer.flush()
+    out = {r[ROW_ID]: r for r in committed(job)}
+    assert sorted(out) == list(range(rows)), "every row once"
+    assert max(pq.read_metadata(p).num_rows for p in job.part_files()) <= 4
+    for i, company in enumerate(COMPANIES):
+        row = out[i]
+        assert row["Index"] == f"cust-{i}" and row["City"] == f"city {i}", "a follower keeps its own columns"
+        if company is None:
+            assert "RowValidationError" in row[ERROR_COLUMN] and row["generated_text"] == ""
+            continue
+        assert row[ERROR_COLUMN] == "" and row["generated_text"] == f"about {company}"
+        assert json.loads(row["messages"])[0]["content"] == f"What does {company} do?"  # JSON text, as committed
+        first = COMPANIES.index(company)
+        assert row[STATS]["deduped"] == (i != first), i
+        assert row[STATS]["in_flight"] == 3
+        assert (row[ANSWER] is not None) == (i == first), "only the row that reached the engine records the answer"
+    snap = progress.snapshot()["this_run"]
+    assert snap["ok"] == 10 and snap["errors"] == 2 and snap["deduplicated_rows"] == 6
+    assert done.all()
+
+
+def test_followers_of_a_lost_representative_stay_to_do_and_fold_again(job):
+    rows = len(COMPANIES)
+    done = np.zeros(rows, dtype=bool)
+    fold = Fold(job.input_files(), 5, np.ones(rows, dtype=bool), ["Company"])
+    committer = Committer(job, done, Progress(rows, tty=False, quiet=True), commit_rows=100, commit_seconds=3600,
+                          fold=fold)
+    committer.add(answered(job, [1, 3, 6, 7]))  # Acme's row 0 never comes back (a replica died)
+    committer.flush()
+    acme = [i for i, c in enumerate(COMPANIES) if c == "Acme"]
+    assert np.flatnonzero(~done).tolist() == acme
+    again = Fold(job.input_files(), 5, ~done, ["Company"])  # the next pass
+    assert np.flatnonzero(again.send).tolist() == [0] and again.followers == len(acme) - 1
+
+
+def test_followers_wait_for_their_file_or_the_next_commit(job, monkeypatch):
+    monkeypatch.setattr(fold_module, "EMIT_ROWS", 10**6)
+    rows = len(COMPANIES)
+    done = np.zeros(rows, dtype=bool)
+    fold = Fold(job.input_files(), 5, np.ones(rows, dtype=bool), ["Company"])
+    # Acme's and Birch's answers: file 0 (rows 0-4) has followers 2 (Acme) and 4 (Birch), all ready
+    ready = fold.answered(rows_to_table(decode_rows(answered(job, [0, 1]))), done)
+    assert sorted(i for t in ready for i in t.column(ROW_ID).to_pylist()) == [2, 4]
+    # Cobalt's answer: file 2 (rows 10-11: Cobalt, Acme) is all ready; file 1 (rows 5-9) waits
+    # for the empty company's group (row 6 leads it, row 9 follows)
+    ready = fold.answered(rows_to_table(decode_rows(answered(job, [3]))), done)
+    assert sorted(i for t in ready for i in t.column(ROW_ID).to_pylist()) == [10, 11]
+    later = fold.emit(done, everything=True)  # a timed commit takes what is ready
+    assert sorted(i for t in later for i in t.column(ROW_ID).to_pylist()) == [5, 8]
+    assert fold.emit(done, everything=True) == []
+
+
+def test_rows_that_could_not_be_read_are_never_folded(tmp_path, monkeypatch):
+    monkeypatch.setattr(ingest_module, "INGEST_ROWS", 5)
+    (tmp_path / "in.jsonl").write_text('{"Company": "Acme"}\n{"Company": \n{"Company": "Acme"}\n')
+    job = JobDir(tmp_path / "job")
+    job.root.mkdir()
+    ingest(job, str(tmp_path / "in.jsonl"), None, None, None, None)
+    fold = Fold(job.input_files(), 5, np.ones(3, dtype=bool), ["Company"])
+    assert fold.send.tolist() == [True, True, False] and fold.followers == 1
+
+
+def test_rows_fold_only_where_the_prompt_alone_decides_a_deterministic_request(tmp_path):
+    from llmbatch.jobs.kinds import job_for
+    from llmbatch.jobs.spec import load_job
+
+    (tmp_path / "data.csv").write_text("Index,Company,City\n1,Acme,Oslo\n")
+    (tmp_path / "hooks.py").write_text("def post(row):\n    return row\n")
+
+    def columns(prompt=None, sampling=None, input_columns=("Index", "Company", "City"), **more):
+        spec = load_job(data={"input": {"path": str(tmp_path / "data.csv")},
+                              "model": {"source": "smollm2-135m-instruct", **more.pop("model", {})},
+                              "prompt": prompt or {"system": "Answer for {City}.", "user": "What is {Company}?"},
+                              "sampling_params": {"temperature": 0} if sampling is None else sampling,
+                              "output": {"path": str(tmp_path / "out.parquet")}, **more})
+        meta = JobMeta(spec={}, result_fields={}, numerics_fields={}, config_hash="", rows=1,
+                       columns=list(input_columns))
+        return job_for(spec, meta).kind.fold_columns(job_for(spec, meta))
+
+    assert columns() == ["City", "Company"]
+    assert columns(sampling={"temperature": 0.7, "seed": 3}) == ["City", "Company"]  # a seed decides too
+    assert columns(sampling={"temperature": 0.7}) is None        # sampled: every row its own answer
+    assert columns(sampling={}) is None                          # the engine's default may sample
+    assert columns(sampling={"temperature": 0, "n": 2}) is None
+    assert columns(model={"dedup_requests": False}) is None      # the user turned copies off
+    assert columns(postprocess="hooks:post", python_path=[str(tmp_path)]) is None  # runs per row
+    assert columns(input_columns=("Company", "City", "prompt")) is None  # an input column the engine overwrites
+    assert columns(prompt={"prompt_column": "Company"}) == ["Company"]
