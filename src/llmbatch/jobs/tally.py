@@ -12,8 +12,38 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from llmbatch.rows import ERROR_COLUMN, STATS, parse_error
+
+
+def _ints(table: pa.Table, name: str) -> np.ndarray:
+    """A whole-number column as int64 (missing column or empty cells: 0)."""
+    if name not in table.column_names:
+        return np.zeros(table.num_rows, dtype=np.int64)
+    column = table.column(name)
+    if pa.types.is_null(column.type):
+        return np.zeros(table.num_rows, dtype=np.int64)
+    return pc.fill_null(column, 0).to_numpy(zero_copy_only=False).astype(np.int64)
+
+
+def _has_field(stats: pa.Array, name: str) -> bool:
+    return stats.type.get_field_index(name) >= 0
+
+
+def _field(stats: pa.Array, name: str, empty: Any) -> np.ndarray:
+    """One field of a stats struct column as numbers (missing field or value: ``empty``)."""
+    if not _has_field(stats, name) or pa.types.is_null(stats.type.field(name).type):
+        return np.full(len(stats), empty)
+    return pc.fill_null(pc.struct_field(stats, name), empty).to_numpy(zero_copy_only=False)
+
+
+def _texts(stats: pa.Array, name: str) -> np.ndarray:
+    """A text field of a stats struct column ("?" where empty)."""
+    if not _has_field(stats, name) or pa.types.is_null(stats.type.field(name).type):
+        return np.full(len(stats), "?", dtype=object)
+    values = pc.struct_field(stats, name).cast(pa.string())
+    return np.asarray(pc.if_else(pc.fill_null(pc.equal(values, ""), True), "?", values).to_pylist(), dtype=object)
 
 
 def _column(table: pa.Table, name: str, default: Any) -> list[Any]:
@@ -46,6 +76,57 @@ class Tally:
         return tally
 
     def add(self, table: pa.Table) -> None:
+        """Count ``table``'s rows, a column at a time (a part holds up to ``commit_rows``;
+        a job's output, every row)."""
+        if STATS in table.column_names and not pa.types.is_struct(table.column(STATS).type) \
+                and not pa.types.is_null(table.column(STATS).type):
+            self._add_rows(table)
+            return
+        n = table.num_rows
+        failed = np.zeros(n, dtype=bool)
+        if ERROR_COLUMN in table.column_names:
+            errors = table.column(ERROR_COLUMN)
+            flag = pc.fill_null(pc.not_equal(errors.cast(pa.string()), ""), False)
+            failed = flag.to_numpy(zero_copy_only=False)
+            for error in errors.filter(flag).to_pylist():
+                stage, error_type, _ = parse_error(error)
+                self.error_types[f"{stage}: {error_type}"] += 1
+        self.errors += int(failed.sum())
+        ok = ~failed
+        self.ok += int(ok.sum())
+        n_in, n_out = _ints(table, "num_input_tokens")[ok], _ints(table, "num_generated_tokens")[ok]
+        stats = table.column(STATS).combine_chunks() if STATS in table.column_names else None
+        if stats is None or pa.types.is_null(stats.type):
+            has = np.zeros(n, dtype=bool)
+            copied = np.zeros(n, dtype=bool)
+        else:
+            has = stats.is_valid().to_numpy(zero_copy_only=False)
+            copied = has & _field(stats, "deduped", False).astype(bool)
+        self.input_tokens += int(n_in.sum())
+        self.delivered_tokens += int(n_out.sum())
+        self.generated_tokens += int(n_out[~copied[ok]].sum())
+        rows = ok & has
+        if not rows.any():
+            return
+        self.deduplicated_rows += int(copied[rows].sum())
+        kept = stats.filter(pa.array(rows))
+        cached = pc.struct_field(kept, "cached_tokens") if _has_field(kept, "cached_tokens") else None
+        if cached is not None:
+            self.cached_reported += len(cached) - cached.null_count
+            self.cached_tokens += int(pc.sum(cached).as_py() or 0)
+        names = _texts(kept, "replica")
+        restarts = _field(kept, "restarts", 0).astype(np.int64)
+        for name in np.unique(names):
+            mine = names == name
+            self.replicas[name] += int(mine.sum())
+            self.restarts[name] = max(self.restarts.get(name, 0), int(restarts[mine].max()))
+        for key, out in (("ready_at", self.ready_at), ("start_at", self.start_at),
+                         ("first_request_at", self.first_request_at)):
+            values = _field(kept, key, 0.0).astype(float)  # (only min() is read: each value once)
+            out.extend(float(v) for v in np.unique(values[values > 0]))
+
+    def _add_rows(self, table: pa.Table) -> None:
+        """:meth:`add` one row at a time (stats that are not a struct column)."""
         errors = _column(table, ERROR_COLUMN, "")
         inputs = _column(table, "num_input_tokens", 0)
         outputs = _column(table, "num_generated_tokens", 0)
