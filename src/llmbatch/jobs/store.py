@@ -33,6 +33,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from llmbatch.errors import JobError
@@ -265,7 +266,14 @@ def read_part_state(path: Path) -> tuple[np.ndarray, np.ndarray]:
     ids = t.column(ROW_ID).to_numpy()
     if ERROR_COLUMN not in names:
         return ids, np.zeros(len(ids), dtype=bool)
-    return ids, np.array([bool(e) for e in t.column(ERROR_COLUMN).to_pylist()], dtype=bool)
+    return ids, _flags(t.column(ERROR_COLUMN)).to_numpy(zero_copy_only=False).astype(bool)
+
+
+def _flags(errors: pa.ChunkedArray) -> pa.ChunkedArray:
+    """Whether each row's error column holds an error (a non-empty text)."""
+    if pa.types.is_null(errors.type):
+        return pa.chunked_array([pa.array(np.zeros(len(errors), dtype=bool))])
+    return pc.fill_null(pc.greater(pc.utf8_length(errors.cast(pa.string())), 0), False)
 
 
 #: bytes of answer records a resumed job reads back (about 1 KiB per distinct short answer)
@@ -283,10 +291,10 @@ def committed_answers(job: "JobDir", tag: str, limit_bytes: int = KNOWN_ANSWER_B
             continue
         columns = [ANSWER, ERROR_COLUMN] if ERROR_COLUMN in names else [ANSWER]
         table = pq.read_table(path, columns=columns)
-        errors = table.column(ERROR_COLUMN).to_pylist() if ERROR_COLUMN in names else [None] * table.num_rows
-        for text, error in zip(table.column(ANSWER).to_pylist(), errors):
-            if not text or error:
-                continue
+        keep = pc.fill_null(pc.greater(pc.utf8_length(table.column(ANSWER).cast(pa.string())), 0), False)
+        if ERROR_COLUMN in names:  # (most rows of a repetitive job carry none: a copy's is its original's)
+            keep = pc.and_(keep, pc.invert(_flags(table.column(ERROR_COLUMN))))
+        for text in table.column(ANSWER).filter(keep).to_pylist():
             size += len(text)
             if size > limit_bytes:
                 return answers
