@@ -1,0 +1,81 @@
+"""The driver's own work on a big input, in this process (no Ray, no engine): ingesting a CSV
+(pyarrow's reader, and the record reader with --records), folding identical rows, and writing
+the output from parts of ``commit_rows`` rows whose answers are made up here.
+
+    python bench/driver_costs.py CUSTOMERS.csv [--records] [--commit-rows 1000] [--dir /tmp/driver-costs]
+
+CUSTOMERS.csv: ``llmbatch sample FILE --rows 2000000 --seed 0``. Prints one JSON line of seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from llmbatch.io.csv_tables import csv_tables
+from llmbatch.io.readers import read_rows
+from llmbatch.jobs.fold import Fold
+from llmbatch.jobs.ingest import INGEST_ROWS, ingest
+from llmbatch.jobs.kinds import job_for
+from llmbatch.jobs.meta import JobMeta
+from llmbatch.jobs.spec import load_job
+from llmbatch.rows import ANSWER, ERROR_COLUMN, STATS
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("csv")
+    ap.add_argument("--records", action="store_true", help="ingest with the record reader only")
+    ap.add_argument("--commit-rows", type=int, default=1000)
+    ap.add_argument("--dir", default="/tmp/driver-costs")
+    args = ap.parse_args()
+    folder = Path(args.dir)
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    spec = load_job(data={"input": {"path": str(Path(args.csv).resolve()), "id_column": "Index"},
+                          "model": {"source": "smollm2-135m-instruct"}, "prompt": {"user": "What is {Company}?"},
+                          "sampling_params": {"temperature": 0},
+                          "output": {"path": str(folder / "out.parquet"), "columns": ["Index", "generated_text"]}})
+    job = job_for(spec)
+    job.dir.root.mkdir(parents=True)
+    out: dict = {}
+    t = time.time()
+    info = ingest(job.dir, args.csv, "csv", None, None, "Index", read_rows(args.csv, "csv"),
+                  None if args.records else csv_tables(args.csv))
+    out["ingest_s"] = round(time.time() - t, 2)
+    job.meta = JobMeta(spec={}, result_fields={}, numerics_fields={}, config_hash="", rows=info["rows"], ingested=True,
+                       ingest_rows=INGEST_ROWS, columns=info["columns"], column_types=info["column_types"])
+    job.dir.write_meta(job.meta)
+    t = time.time()
+    fold = Fold(job.dir.input_files(), INGEST_ROWS, np.ones(info["rows"], dtype=bool), ["Company"])
+    out.update(fold_s=round(time.time() - t, 2), rows=info["rows"], representatives=int(fold.send.sum()))
+    t = time.time()
+    for path in job.dir.input_files():
+        table = pq.read_table(path).drop_columns(["__llmbatch_key"])
+        n = table.num_rows
+        table = (table.append_column(ERROR_COLUMN, pa.array([""] * n))
+                 .append_column("generated_text", pa.array(["Technology"] * n))
+                 .append_column("num_generated_tokens", pa.array([3] * n))
+                 .append_column(STATS, pa.array([{"replica": "r0", "deduped": True, "in_flight": 5}] * n))
+                 .append_column(ANSWER, pa.nulls(n, pa.string())))
+        for start in range(0, n, args.commit_rows):
+            job.dir.commit(table.slice(start, args.commit_rows))
+    out["commit_s"] = round(time.time() - t, 2)
+    t = time.time()
+    state = job.dir.state(info["rows"])
+    out["state_s"] = round(time.time() - t, 2)
+    t = time.time()
+    job.kind.write_output(job, state)
+    out["output_s"] = round(time.time() - t, 2)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
