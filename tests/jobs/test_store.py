@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -77,3 +79,34 @@ def test_lock_refuses_a_second_driver(tmp_path):
             with JobDir(tmp_path / "job").locked():
                 pass
     assert not job.is_running()
+
+
+def test_parts_are_read_ahead_in_order_and_a_failed_read_raises():
+    import threading
+
+    from llmbatch.jobs import store
+
+    paths = [Path(f"part-{i:06d}.parquet") for i in range(40)]
+    running, most = 0, 0
+    lock = threading.Lock()
+
+    def read(path):
+        nonlocal running, most
+        with lock:
+            running += 1
+            most = max(most, running)
+        try:
+            if path.name == "part-000031.parquet":
+                raise OSError("disk gone")
+            return path.name
+        finally:
+            with lock:
+                running -= 1
+
+    seen = []
+    with pytest.raises(OSError, match="disk gone"):
+        for path, value in store.read_ahead(paths, read):
+            assert value == path.name
+            seen.append(value)
+    assert seen == [p.name for p in paths[:31]], "in order, up to the part that failed"
+    assert most <= store.READ_AHEAD

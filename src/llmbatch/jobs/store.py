@@ -18,6 +18,8 @@ output and ``errors.jsonl``.
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import contextlib
 import fcntl
 import hashlib
@@ -25,10 +27,10 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -239,8 +241,7 @@ class JobDir:
         rows = self.meta().rows if rows is None else rows
         latest = np.full(rows, -1, dtype=np.int32)
         error = np.zeros(rows, dtype=bool)
-        for path in self.part_files():
-            ids, errs = read_part_state(path)
+        for path, (ids, errs) in read_ahead(self.part_files(), read_part_state):
             latest[ids] = self.part_index(path)
             error[ids] = errs
         return State(latest, error)
@@ -249,12 +250,36 @@ class JobDir:
 
     def iter_final_rows(self, state: State) -> Iterator[tuple[pa.Table, np.ndarray]]:
         """Each part with the mask of its rows that are the newest state of their id."""
-        for path in self.part_files():
-            table = pq.read_table(path)
+        for path, table in read_ahead(self.part_files(), pq.read_table):
             ids = table.column(ROW_ID).to_numpy()
             mask = state.latest[ids] == self.part_index(path)
             if mask.any():
                 yield table, mask
+
+
+T = TypeVar("T")
+
+#: Parts read at once, ahead of the one in use (a big job has thousands of small parts; each read
+#: waits on the disk and pyarrow, with the GIL released)
+READ_AHEAD = 8
+
+
+def read_ahead(paths: list[Path], read: Callable[[Path], T]) -> Iterator[tuple[Path, T]]:
+    """``(path, read(path))`` in the order of ``paths``, up to :data:`READ_AHEAD` reads running
+    ahead on threads (memory: that many parts at most)."""
+    if len(paths) < 2:
+        yield from ((path, read(path)) for path in paths)
+        return
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(READ_AHEAD, os.cpu_count() or 1)) as pool:
+        waiting: collections.deque = collections.deque()
+        for path in paths:
+            waiting.append((path, pool.submit(read, path)))
+            if len(waiting) > READ_AHEAD:
+                done, future = waiting.popleft()
+                yield done, future.result()
+        while waiting:
+            done, future = waiting.popleft()
+            yield done, future.result()
 
 
 def read_part_state(path: Path) -> tuple[np.ndarray, np.ndarray]:
@@ -285,16 +310,8 @@ def committed_answers(job: "JobDir", tag: str, limit_bytes: int = KNOWN_ANSWER_B
     request digest; rows that are errors now (a retried row's older state included) give none."""
     answers: dict[bytes, dict[str, Any]] = {}
     size = 0
-    for path in job.part_files():
-        names = pq.read_schema(path).names
-        if ANSWER not in names:
-            continue
-        columns = [ANSWER, ERROR_COLUMN] if ERROR_COLUMN in names else [ANSWER]
-        table = pq.read_table(path, columns=columns)
-        keep = pc.fill_null(pc.greater(pc.utf8_length(table.column(ANSWER).cast(pa.string())), 0), False)
-        if ERROR_COLUMN in names:  # (most rows of a repetitive job carry none: a copy's is its original's)
-            keep = pc.and_(keep, pc.invert(_flags(table.column(ERROR_COLUMN))))
-        for text in table.column(ANSWER).filter(keep).to_pylist():
+    for _, texts in read_ahead(job.part_files(), _answer_records):
+        for text in texts:
             size += len(text)
             if size > limit_bytes:
                 return answers
@@ -302,6 +319,20 @@ def committed_answers(job: "JobDir", tag: str, limit_bytes: int = KNOWN_ANSWER_B
             if found is not None:
                 answers[found[0]] = found[1]
     return answers
+
+
+def _answer_records(path: Path) -> list[str]:
+    """The answer records of a part's rows that are not errors (most rows of a repetitive job
+    carry none: a copy's is its original's)."""
+    names = pq.read_schema(path).names
+    if ANSWER not in names:
+        return []
+    columns = [ANSWER, ERROR_COLUMN] if ERROR_COLUMN in names else [ANSWER]
+    table = pq.read_table(path, columns=columns)
+    keep = pc.fill_null(pc.greater(pc.utf8_length(table.column(ANSWER).cast(pa.string())), 0), False)
+    if ERROR_COLUMN in names:
+        keep = pc.and_(keep, pc.invert(_flags(table.column(ERROR_COLUMN))))
+    return table.column(ANSWER).filter(keep).to_pylist()
 
 
 def error_record(row: dict[str, Any], id_value: Any, input_columns: list[str]) -> dict[str, Any]:
