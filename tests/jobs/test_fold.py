@@ -178,3 +178,19 @@ def test_rows_fold_only_where_the_prompt_alone_decides_a_deterministic_request(t
     assert columns(postprocess="hooks:post", python_path=[str(tmp_path)]) is None  # runs per row
     assert columns(input_columns=("Company", "City", "prompt")) is None  # an input column the engine overwrites
     assert columns(prompt={"prompt_column": "Company"}) == ["Company"]
+
+
+def test_answers_are_let_go_once_their_followers_are_built(job):
+    rows = len(COMPANIES)
+    done = np.zeros(rows, dtype=bool)
+    fold = Fold(job.input_files(), 5, np.ones(rows, dtype=bool), ["Company"])
+    committer = Committer(job, done, Progress(rows, tty=False, quiet=True), commit_rows=100, commit_seconds=3600,
+                          fold=fold)
+    committer.add(answered(job, [7]))  # Dune: a group of one, nothing to keep
+    assert fold.answers.chunks == [None]
+    committer.add(answered(job, [0]))  # Acme: its followers wait for their files' other groups
+    assert fold.answers.chunks[1] is not None
+    committer.add(answered(job, [1, 3, 6]))  # every file is ready: everything is built
+    assert fold.answers.chunks == [None, None, None] and fold.left.sum() == 0
+    committer.flush()
+    assert sorted(r[ROW_ID] for r in committed(job)) == list(range(rows))

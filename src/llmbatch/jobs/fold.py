@@ -70,8 +70,10 @@ class _Answers:
     """The representatives' answers (their output rows less the followers' own columns), as
     they arrived: ``chunks[c]`` row ``r``, and each chunk's whole column order."""
 
-    chunks: list[pa.Table] = field(default_factory=list)
+    chunks: list[pa.Table | None] = field(default_factory=list)
     orders: list[list[str]] = field(default_factory=list)
+    #: per chunk, its groups whose followers are not all built yet (at 0 the chunk is let go)
+    live: list[int] = field(default_factory=list)
     chunk_of: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))  # per group, -1: not yet
     row_of: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
 
@@ -117,6 +119,8 @@ class Fold:
         self.ready: dict[int, list[np.ndarray]] = {}
         self.answers = _Answers(chunk_of=np.full(self._groups, -1, np.int64), row_of=np.full(self._groups, -1, np.int64))
         self.followers = len(followers)
+        #: per group, its followers not built yet
+        self.left = np.maximum(self.end - self.start - 1, 0)
 
     # -- as representatives come back -------------------------------------------------------
 
@@ -130,10 +134,13 @@ class Fold:
             reps[reps] = self.answers.chunk_of[groups[reps]] < 0  # (a representative that came twice)
         if reps.any():
             chunk = len(self.answers.chunks)
-            self.answers.orders.append(table.column_names)
-            self.answers.chunks.append(table.drop_columns([n for n in table.column_names if n in self.own]))
             rows = np.flatnonzero(reps)
             new = groups[rows]
+            live = int((self.left[new] > 0).sum())
+            self.answers.orders.append(table.column_names)
+            self.answers.chunks.append(table.drop_columns([n for n in table.column_names if n in self.own])
+                                       if live else None)
+            self.answers.live.append(live)
             self.answers.chunk_of[new] = chunk
             self.answers.row_of[new] = rows
             ready = [self.ids_by_group[self.start[g] + 1:self.end[g]] for g in new]
@@ -154,10 +161,23 @@ class Fold:
                 ids = np.concatenate(self.ready.pop(f))
                 self.pending[f] -= self.ready_count[f]
                 self.ready_count[f] = 0
-                ids = np.sort(ids[~done[ids]])
-                if len(ids):
-                    out.extend(self._build(f, ids))
+                fresh = np.sort(ids[~done[ids]])
+                if len(fresh):
+                    out.extend(self._build(f, fresh))
+                self._built(self.group_of[ids])
         return out
+
+    def _built(self, groups: np.ndarray) -> None:
+        """Followers of ``groups`` (one entry each) are built: let go of the answers no
+        follower needs any more (a job of many distinct prompts keeps only those in use)."""
+        np.subtract.at(self.left, groups, 1)
+        finished = np.unique(groups)
+        finished = finished[self.left[finished] == 0]
+        chunks, counts = np.unique(self.answers.chunk_of[finished], return_counts=True)
+        for c, n in zip(chunks.tolist(), counts.tolist()):
+            self.answers.live[c] -= n
+            if self.answers.live[c] <= 0:
+                self.answers.chunks[c] = None
 
     def _build(self, f: int, ids: np.ndarray) -> list[pa.Table]:
         """Followers ``ids`` of input file ``f``: their own input columns, their group's answer."""
