@@ -155,10 +155,12 @@ def test_every_row_answered_or_an_error_row_and_the_limits_hold(ray_cluster, ser
         assert seen["statuses"].get(status), (status, seen["statuses"])
     assert_no_secret(job_dir)
     job_stats = json.loads((job_dir / "stats.json").read_text())
-    # and the limit, not the faults, set the pace: ~34 tokens a row at TPM/60 tokens/s, over the
-    # job's rows phase (its own clock: the process's start-up, which a loaded machine stretches,
-    # is not the rows' pace; the whole run was bounded at start-up + 60 s before)
-    assert job_stats["phases_s"]["rows"] < 3 * ROWS * 34 / (TPM / 60), (job_stats["phases_s"], took)
+    # the faults were retried, not looped: one more attempt for about each faulty first attempt (9
+    # rows in 20; 4 attempts for the rows that always fail), nothing near a retry storm. (How fast
+    # the limits let the rows go is a speed figure: bench/http_bench.py. A wall-clock bound here
+    # failed twice on a loaded 2-core machine: 27.9 s of rows against 16.5 s on a quiet one.)
+    attempts = sum(seen["statuses"].values())
+    assert ROWS <= attempts < 2 * ROWS, (seen["statuses"], job_stats["phases_s"], took)
     assert job_stats["input_tokens"] > 0 and job_stats["errors_by_type"] == {
         "engine: HttpStatusError": 2, "engine: EndpointTimeoutError": 1, "engine: EndpointConnectionError": 1}
 

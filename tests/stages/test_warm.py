@@ -123,6 +123,9 @@ def test_a_second_run_leases_the_warm_engine_of_the_first():
 @pytest.mark.parametrize("env", [None, "2"])
 def test_other_settings_get_their_own_host_and_the_least_recently_used_makes_room(env, monkeypatch):
     """Up to IDLE_OTHERS_CPU (or LLMBATCH_WARM_IDLE_OTHERS) idle hosts of other settings stay."""
+    # where the machine has less than ROOM_FRACTION of its memory available, none stay (the next
+    # test): the count rule is tested with memory to spare, whatever the machine has just now
+    monkeypatch.setattr(warm, "short_of_memory", lambda fraction: False)
     if env is None:
         monkeypatch.delenv(warm.IDLE_OTHERS_ENV, raising=False)
     else:
@@ -139,6 +142,19 @@ def test_other_settings_get_their_own_host_and_the_least_recently_used_makes_roo
     keys = set(warm._hosts().values())
     assert _key(_stage("a")) not in keys and _key(_stage("z")) in keys, keys
     assert len(keys) == keep + 1
+
+
+def test_where_memory_is_short_a_new_host_stops_every_idle_host_of_other_settings(monkeypatch):
+    monkeypatch.setattr(warm, "short_of_memory", lambda fraction: False)
+    for name in "ab":
+        _run(_answer(name))
+    assert len(set(warm._hosts().values())) == 2
+    monkeypatch.setattr(warm, "short_of_memory", lambda fraction: fraction == warm.ROOM_FRACTION)
+    _run(_answer("z"))
+    deadline = time.monotonic() + 30
+    while len(warm._hosts()) > 1 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert set(warm._hosts().values()) == {_key(_stage("z"))}
 
 
 def test_an_idle_host_stops_after_keep_warm_s():
