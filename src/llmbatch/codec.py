@@ -24,6 +24,7 @@ import sysconfig
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 
 from llmbatch.rows import (
@@ -148,6 +149,17 @@ def table_to_rows(table: pa.Table) -> list[Row]:
             if row.get(name) is not None:
                 row[name] = json.loads(row[name])
     return rows
+
+
+def has_text(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
+    """Whether each cell of a text column holds a non-empty text (a null or ``""`` does not):
+    the failed rows of an error column, the rows of a part that carry an answer record."""
+    import pyarrow.compute as pc
+
+    if pa.types.is_null(column.type):
+        return np.zeros(len(column), dtype=bool)
+    flags = pc.fill_null(pc.not_equal(column.cast(pa.string()), ""), False)
+    return np.asarray(flags.to_numpy(zero_copy_only=False), dtype=bool)
 
 
 def digest64(text: str) -> int:

@@ -74,6 +74,17 @@ def answered(job: JobDir, ids) -> pa.Table:
     return encode_rows(rows)
 
 
+def folding(job: JobDir, commit_rows: int = 100, progress: Progress | None = None,
+            fold: Fold | None = None) -> tuple[Fold, Committer, np.ndarray]:
+    """A first pass's fold over every row, and the committer the driver gives it."""
+    rows = len(COMPANIES)
+    fold = fold or Fold(job.input_files(), 5, np.ones(rows, dtype=bool), ["Company"])
+    done = np.zeros(rows, dtype=bool)
+    committer = Committer(job, done, progress or Progress(rows, tty=False, quiet=True), commit_rows=commit_rows,
+                          commit_seconds=3600, fold=fold)
+    return fold, committer, done
+
+
 def committed(job: JobDir) -> list[dict]:
     return pa.concat_tables([pq.read_table(p) for p in job.part_files()], promote_options="permissive").to_pylist()
 
@@ -85,9 +96,8 @@ def test_one_row_per_group_goes_to_the_engine_and_the_rest_take_its_answer(job):
     # the first row of each group: Acme 0, Birch 1, Cobalt 3, None 6, Dune 7
     assert np.flatnonzero(fold.send).tolist() == [0, 1, 3, 6, 7]
     assert fold.followers == rows - 5
-    done = np.zeros(rows, dtype=bool)
     progress = Progress(rows, tty=False, quiet=True)
-    committer = Committer(job, done, progress, commit_rows=4, commit_seconds=3600, fold=fold)
+    _, committer, done = folding(job, commit_rows=4, progress=progress, fold=fold)
     committer.add(answered(job, [0, 1]))
     committer.add(answered(job, [3, 6, 7]))
     committer.flush()
@@ -112,11 +122,7 @@ def test_one_row_per_group_goes_to_the_engine_and_the_rest_take_its_answer(job):
 
 
 def test_followers_of_a_lost_representative_stay_to_do_and_fold_again(job):
-    rows = len(COMPANIES)
-    done = np.zeros(rows, dtype=bool)
-    fold = Fold(job.input_files(), 5, np.ones(rows, dtype=bool), ["Company"])
-    committer = Committer(job, done, Progress(rows, tty=False, quiet=True), commit_rows=100, commit_seconds=3600,
-                          fold=fold)
+    _, committer, done = folding(job)
     committer.add(answered(job, [1, 3, 6, 7]))  # Acme's row 0 never comes back (a replica died)
     committer.flush()
     acme = [i for i, c in enumerate(COMPANIES) if c == "Acme"]
@@ -182,10 +188,7 @@ def test_rows_fold_only_where_the_prompt_alone_decides_a_deterministic_request(t
 
 def test_answers_are_let_go_once_their_followers_are_built(job):
     rows = len(COMPANIES)
-    done = np.zeros(rows, dtype=bool)
-    fold = Fold(job.input_files(), 5, np.ones(rows, dtype=bool), ["Company"])
-    committer = Committer(job, done, Progress(rows, tty=False, quiet=True), commit_rows=100, commit_seconds=3600,
-                          fold=fold)
+    fold, committer, done = folding(job)
     committer.add(answered(job, [7]))  # Dune: a group of one, nothing to keep
     assert fold.answers.chunks == [None]
     committer.add(answered(job, [0]))  # Acme: its followers wait for their files' other groups

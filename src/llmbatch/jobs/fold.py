@@ -26,6 +26,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from llmbatch.codec import has_text
 from llmbatch.jobs.ingest import KEY_COLUMN
 from llmbatch.rows import (
     ANSWER,
@@ -96,8 +97,7 @@ class Fold:
             table = pq.read_table(path, columns=[ROW_ID, *errors, *columns])
             keep = todo[table.column(ROW_ID).to_numpy()]
             if errors:  # a row that could not be read is an error row of its own
-                unreadable = pc.fill_null(pc.greater(pc.utf8_length(table.column(ERROR_COLUMN)), 0), False)
-                keep &= ~unreadable.to_numpy(zero_copy_only=False)
+                keep &= ~has_text(table.column(ERROR_COLUMN))
             if keep.any():
                 keys.append(table.filter(pa.array(keep)).select([ROW_ID, *columns]))
         if keys:
@@ -223,9 +223,7 @@ def _deduped(stats: pa.ChunkedArray) -> pa.Array:
     children = [array.field(i) for i in range(array.type.num_fields)]
     fields = list(array.type)
     for i, f in enumerate(fields):
-        if f.name == "deduped":
-            children[i] = pa.array(np.ones(len(array), dtype=bool), f.type if pa.types.is_boolean(f.type) else None)
-            if not pa.types.is_boolean(f.type):
-                fields[i] = pa.field("deduped", pa.bool_())
+        if f.name == "deduped":  # (a column of nulls where no representative said: now bool)
+            children[i], fields[i] = pa.array(np.ones(len(array), dtype=bool)), pa.field("deduped", pa.bool_())
     return pa.StructArray.from_arrays(children, fields=fields, mask=array.is_null() if array.null_count else None)
 

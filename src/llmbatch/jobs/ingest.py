@@ -128,9 +128,7 @@ def ingest(job: JobDir, path: str, fmt: str | None, columns: list[str] | None, l
     columns_list = list(seen_columns)
     if id_column is not None and keys:
         _check_duplicates(np.asarray(keys, dtype=np.uint64), tmp_dir, id_column)
-    fsync_dir(tmp_dir)
-    os.replace(tmp_dir, job.input_dir)
-    fsync_dir(job.root)
+    _publish(job, tmp_dir)
     return {"rows": next_id, "columns": columns_list,
             "column_types": types.result(columns_list) if types is not None else {}}
 
@@ -144,6 +142,13 @@ def _fresh_dirs(job: JobDir) -> Path:
         shutil.rmtree(tmp_dir)
     tmp_dir.mkdir(parents=True)
     return tmp_dir
+
+
+def _publish(job: JobDir, tmp_dir: Path) -> None:
+    """Put the staged files in place as ``input/``, durably."""
+    fsync_dir(tmp_dir)
+    os.replace(tmp_dir, job.input_dir)
+    fsync_dir(job.root)
 
 
 def _ingest_tables(job: JobDir, tables: Iterator[pa.Table], id_column: str | None) -> dict[str, Any]:
@@ -187,9 +192,7 @@ def _ingest_tables(job: JobDir, tables: Iterator[pa.Table], id_column: str | Non
         write(pa.concat_tables(pending))
     if keys and pc.count_distinct(pa.chunked_array([c for k in keys for c in k.chunks])).as_py() != next_id:
         raise NotClean(f"repeated ids in {id_column!r}")
-    fsync_dir(tmp_dir)
-    os.replace(tmp_dir, job.input_dir)
-    fsync_dir(job.root)
+    _publish(job, tmp_dir)
     return {"rows": next_id, "columns": names, "column_types": types.result(names)}
 
 

@@ -23,9 +23,9 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from llmbatch.codec import has_text
 from llmbatch.errors import ConfigError
 from llmbatch.io.files import atomic_write_json, fsync_dir
 from llmbatch.io.readers import typed_text_column
@@ -176,8 +176,7 @@ def write_output(job: Job, state: State) -> tuple[str, Tally]:
         with open(tmp_errors, "w") as errors_fh:
             for table, newest in root.iter_final_rows(state):
                 if ERROR_COLUMN in table.column_names:
-                    err = pc.fill_null(table.column(ERROR_COLUMN), "")
-                    is_err = np.asarray(pc.not_equal(err, "").to_numpy(zero_copy_only=False), dtype=bool)
+                    is_err = has_text(table.column(ERROR_COLUMN))
                 else:
                     is_err = np.zeros(table.num_rows, dtype=bool)
                 totals.add(table.filter(pa.array(newest)))

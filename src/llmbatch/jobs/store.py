@@ -35,9 +35,9 @@ from urllib.parse import urlsplit
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from llmbatch.codec import has_text
 from llmbatch.errors import JobError
 from llmbatch.io.files import atomic_write_json, atomic_write_parquet
 from llmbatch.io.readers import open_input
@@ -291,14 +291,7 @@ def read_part_state(path: Path) -> tuple[np.ndarray, np.ndarray]:
     ids = t.column(ROW_ID).to_numpy()
     if ERROR_COLUMN not in names:
         return ids, np.zeros(len(ids), dtype=bool)
-    return ids, _flags(t.column(ERROR_COLUMN)).to_numpy(zero_copy_only=False).astype(bool)
-
-
-def _flags(errors: pa.ChunkedArray) -> pa.ChunkedArray:
-    """Whether each row's error column holds an error (a non-empty text)."""
-    if pa.types.is_null(errors.type):
-        return pa.chunked_array([pa.array(np.zeros(len(errors), dtype=bool))])
-    return pc.fill_null(pc.greater(pc.utf8_length(errors.cast(pa.string())), 0), False)
+    return ids, has_text(t.column(ERROR_COLUMN))
 
 
 #: bytes of answer records a resumed job reads back (about 1 KiB per distinct short answer)
@@ -329,10 +322,10 @@ def _answer_records(path: Path) -> list[str]:
         return []
     columns = [ANSWER, ERROR_COLUMN] if ERROR_COLUMN in names else [ANSWER]
     table = pq.read_table(path, columns=columns)
-    keep = pc.fill_null(pc.greater(pc.utf8_length(table.column(ANSWER).cast(pa.string())), 0), False)
+    keep = has_text(table.column(ANSWER))
     if ERROR_COLUMN in names:
-        keep = pc.and_(keep, pc.invert(_flags(table.column(ERROR_COLUMN))))
-    return table.column(ANSWER).filter(keep).to_pylist()
+        keep &= ~has_text(table.column(ERROR_COLUMN))
+    return table.column(ANSWER).filter(pa.array(keep)).to_pylist()
 
 
 def error_record(row: dict[str, Any], id_value: Any, input_columns: list[str]) -> dict[str, Any]:

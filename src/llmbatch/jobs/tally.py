@@ -14,6 +14,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from llmbatch.codec import has_text
 from llmbatch.rows import ERROR_COLUMN, STATS, parse_error
 
 
@@ -86,9 +87,8 @@ class Tally:
         failed = np.zeros(n, dtype=bool)
         if ERROR_COLUMN in table.column_names:
             errors = table.column(ERROR_COLUMN)
-            flag = pc.fill_null(pc.not_equal(errors.cast(pa.string()), ""), False)
-            failed = flag.to_numpy(zero_copy_only=False)
-            for error in errors.filter(flag).to_pylist():
+            failed = has_text(errors)
+            for error in errors.filter(pa.array(failed)).to_pylist():
                 stage, error_type, _ = parse_error(error)
                 self.error_types[f"{stage}: {error_type}"] += 1
         self.errors += int(failed.sum())
