@@ -104,6 +104,21 @@ def test_placement_group_config_checked():
     assert ok.placement_group_config["bundles"] == [{"GPU": 1}]
 
 
+def test_a_fractional_gpu_bundle_needs_each_engine_to_fit_its_share():
+    share = {"bundles": [{"GPU": 0.5}]}
+    with pytest.raises(ConfigError, match="gpu_memory_utilization to at most 0.5"):
+        vLLMEngineProcessorConfig(model_source=MODEL, placement_group_config=share)
+    with pytest.raises(ConfigError, match="0.9 is more than each replica's share"):
+        vLLMEngineProcessorConfig(model_source=MODEL, placement_group_config=share,
+                                  engine_kwargs={"gpu_memory_utilization": 0.9})
+    with pytest.raises(ConfigError, match="takes whole GPUs"):
+        vLLMEngineProcessorConfig(model_source=MODEL, placement_group_config=share,
+                                  engine_kwargs={"gpu_memory_utilization": 0.4, "tensor_parallel_size": 2})
+    ok = vLLMEngineProcessorConfig(model_source=MODEL, placement_group_config=share,
+                                   engine_kwargs={"kv_cache_memory_bytes": 1 << 30})
+    assert ok.gpu_share() == 0.5
+
+
 def test_devices_per_replica():
     c = vLLMEngineProcessorConfig(model_source=MODEL, engine_kwargs={"tensor_parallel_size": 2, "pipeline_parallel_size": 2})
     assert c.devices_per_replica() == 4

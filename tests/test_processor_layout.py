@@ -57,6 +57,25 @@ def test_gpu_replicas_ask_for_tp_x_pp_gpus():
     assert op.remote_args["num_gpus"] == 4 and op.remote_args["accelerator_type"] == "H100"
 
 
+def test_replicas_share_a_gpu_with_a_fractional_bundle():
+    """Ray Serve LLM's fractional-GPU spelling: one bundle of half a GPU puts each replica's
+    engine on half of one GPU (Ray's fractional num_gpus), with no placement group and no Ray
+    executor; a whole-GPU bundle keeps the placement group."""
+    config = vLLMEngineProcessorConfig(model_source=MODEL, concurrency=2,
+                                       placement_group_config={"bundles": [{"GPU": 0.5, "CPU": 2}]},
+                                       engine_kwargs={"gpu_memory_utilization": 0.45}, keep_warm_s=0)
+    assert config.gpu_share() == 0.5
+    processor = build_processor(config, preprocess=lambda r: r)
+    op = processor.operators({"CPU": 16.0, "GPU": 1.0})[-1]
+    assert op.remote_args["num_gpus"] == 0.5 and op.remote_args["num_cpus"] == 2.0, op.remote_args
+    assert "ray_remote_args_fn" not in op.remote_args and op.max_workers == 2
+    assert "distributed_executor_backend" not in processor.layout.engine.engine.settings.engine_kwargs
+    whole = vLLMEngineProcessorConfig(model_source=MODEL, placement_group_config={"bundles": [{"GPU": 1}]})
+    assert whole.gpu_share() is None
+    op = build_processor(whole, preprocess=lambda r: r).operators({"CPU": 16.0, "GPU": 1.0})[-1]
+    assert "ray_remote_args_fn" in op.remote_args and "num_gpus" not in op.remote_args
+
+
 def test_the_output_stage_runs_last_in_the_last_operator_and_nothing_else_carries_job_flags():
     """The job layer's output shape (private keys kept, rows left encoded) is its own output
     stage, passed to build_layout: the layout, the runner and the builders know no such flags."""

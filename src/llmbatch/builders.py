@@ -104,7 +104,8 @@ def build_vllm_layout(config: vLLMEngineProcessorConfig, **kwargs: Any) -> Layou
     detokenize -> [postprocess]."""
     engine_kwargs = EngineKwargs(config.engine_kwargs)
     remote_fn = None
-    if config.placement_group_config:
+    share = config.gpu_share()
+    if config.placement_group_config and share is None:
         remote_fn = _placement_group_fn(config)
         # the replica's workers live in its placement group: vLLM places them through Ray
         engine_kwargs.setdefault("distributed_executor_backend", "ray")
@@ -115,8 +116,14 @@ def build_vllm_layout(config: vLLMEngineProcessorConfig, **kwargs: Any) -> Layou
     keep_warm_s = config.resolved_keep_warm_s()
     if keep_warm_s and (remote_fn is not None or not engine_kwargs.single_process()):
         keep_warm_s = 0.0  # a warm host serves engines of one device only (stages/warm.py)
-    return _engine_layout(config, VLLMEngine(settings), remote_fn=remote_fn, keep_warm_s=keep_warm_s,
-                          lora_base_rows_apart=config.lora_base_rows_apart, **kwargs)
+    layout = _engine_layout(config, VLLMEngine(settings), remote_fn=remote_fn, keep_warm_s=keep_warm_s,
+                            lora_base_rows_apart=config.lora_base_rows_apart, **kwargs)
+    if share is not None:  # a replica takes its share of one GPU (Ray schedules it with a fractional num_gpus)
+        layout.devices_per_replica = share
+        bundle_cpus = config.placement_group_config["bundles"][0].get("CPU")
+        if bundle_cpus is not None:
+            layout.engine_resources = {"num_cpus": float(bundle_cpus)}
+    return layout
 
 
 @register(SGLangEngineProcessorConfig)

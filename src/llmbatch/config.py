@@ -319,6 +319,37 @@ class vLLMEngineProcessorConfig(OfflineProcessorConfig):
             raise ValueError(f"strategy must be PACK, STRICT_PACK, SPREAD or STRICT_SPREAD, not {strategy!r}")
         return value
 
+    @model_validator(mode="after")
+    def _check_gpu_share(self) -> "vLLMEngineProcessorConfig":
+        share = self.gpu_share()
+        if share is None:
+            return self
+        kwargs = EngineKwargs(self.engine_kwargs)
+        if not kwargs.single_process():
+            raise ConfigError(f"placement_group_config gives each replica {share} of a GPU, but engine_kwargs ask for "
+                              f"tensor/pipeline/data parallelism, which takes whole GPUs: drop one of the two")
+        if "gpu_memory_utilization" not in kwargs and "kv_cache_memory_bytes" not in kwargs:
+            raise ConfigError(f"placement_group_config gives each replica {share} of a GPU: set "
+                              f"engine_kwargs.gpu_memory_utilization to at most {share} (each engine's share of the "
+                              f"GPU's memory; vLLM's default 0.9 leaves no room for the next replica's engine), or "
+                              f"engine_kwargs.kv_cache_memory_bytes")
+        used = kwargs.get("gpu_memory_utilization")
+        if used is not None and float(used) > share:
+            raise ConfigError(f"engine_kwargs.gpu_memory_utilization {used} is more than each replica's share of its "
+                              f"GPU ({share}, placement_group_config): the replicas' engines would not fit beside "
+                              f"each other; set it to at most {share}")
+        return self
+
+    def gpu_share(self) -> Optional[float]:
+        """The share of one GPU each replica takes, where ``placement_group_config`` is one bundle
+        of less than a GPU (Ray Serve LLM's fractional-GPU spelling, e.g. ``{"bundles": [{"GPU":
+        0.5}]}``: two replicas of a small model on each GPU, each with an engine of its own, for
+        jobs where one engine's CPU work, not the GPU, sets the pace). None otherwise."""
+        bundles = (self.placement_group_config or {}).get("bundles") or []
+        if len(bundles) == 1 and 0 < float(bundles[0].get("GPU", 0) or 0) < 1:
+            return float(bundles[0]["GPU"])
+        return None
+
     def resolved_keep_warm_s(self) -> float:
         """``keep_warm_s``, or its default from the environment (``LLMBATCH_KEEP_WARM_S``)."""
         if self.keep_warm_s is not None:

@@ -51,7 +51,7 @@ MIN_SPREAD_CPUS = 2
 SPREAD_WORKER_CPUS = 1.0
 
 
-def spread_workers(cluster: dict[str, float], replicas: int, devices_per_replica: int, cpu_reserved: float) -> int:
+def spread_workers(cluster: dict[str, float], replicas: int, devices_per_replica: float, cpu_reserved: float) -> int:
     """Workers for the CPU stages before the engine, in a pool of their own, or 0: keep them in
     the replicas.
 

@@ -75,7 +75,8 @@ class Layout:
     task_type: str = "generate"
     continue_on_error: bool = False
     fuse: bool = True
-    devices_per_replica: int = 1
+    #: GPUs one replica takes (less than 1: replicas share a GPU, ``gpu_share``)
+    devices_per_replica: float = 1
     accelerator_type: str | None = None
     runtime_env: dict[str, Any] | None = None
     max_concurrent_batches: int = 8
