@@ -3,6 +3,13 @@
 the output from parts of ``commit_rows`` rows whose answers are made up here.
 
     python bench/driver_costs.py CUSTOMERS.csv [--records] [--commit-rows 1000] [--dir /tmp/driver-costs]
+        [--stream RATE]
+
+``--stream RATE``: instead of the output, the rows phase's driver side: the representatives
+arrive in batches of 256 at RATE rows a second (made-up answers, as from replicas) and go
+through the job's ``Committer`` (the fold builds and commits their followers); prints how long
+the driver was busy per batch (the longest stall) and when each representative was committed
+after it arrived (what a SIGKILL at that moment would lose).
 
 CUSTOMERS.csv: ``llmbatch sample FILE --rows 2000000 --seed 0``. Prints one JSON line of seconds.
 """
@@ -35,6 +42,7 @@ def main() -> None:
     ap.add_argument("--records", action="store_true", help="ingest with the record reader only")
     ap.add_argument("--commit-rows", type=int, default=1000)
     ap.add_argument("--dir", default="/tmp/driver-costs")
+    ap.add_argument("--stream", type=float, default=0.0, help="representatives a second (see above)")
     args = ap.parse_args()
     folder = Path(args.dir)
     shutil.rmtree(folder, ignore_errors=True)
@@ -56,6 +64,10 @@ def main() -> None:
     t = time.time()
     fold = Fold(job.dir.input_files(), INGEST_ROWS, np.ones(info["rows"], dtype=bool), ["Company"])
     out.update(fold_s=round(time.time() - t, 2), rows=info["rows"], representatives=int(fold.send.sum()))
+    if args.stream:
+        out.update(stream(job, fold, info["rows"], args.stream, args.commit_rows))
+        print(json.dumps(out))
+        return
     t = time.time()
     for path in job.dir.input_files():
         table = pq.read_table(path).drop_columns(["__llmbatch_key"])
@@ -75,6 +87,55 @@ def main() -> None:
     job.kind.write_output(job, state)
     out["output_s"] = round(time.time() - t, 2)
     print(json.dumps(out))
+
+
+def stream(job, fold: Fold, rows: int, rate: float, commit_rows: int, batch: int = 256) -> dict:
+    """The representatives through the driver's Committer at ``rate`` rows a second."""
+    from llmbatch.jobs.driver import Committer
+    from llmbatch.progress import Progress
+    from llmbatch.rows import ROW_ID
+
+    done = np.zeros(rows, dtype=bool)
+    committer = Committer(job.dir, done, Progress(rows, quiet=True), commit_rows, 10.0, fold)
+    reps = np.flatnonzero(fold.send)
+    inputs = {}
+    arrived = np.full(rows, np.nan)
+    busy, t0 = [], time.time()
+    with committer.timer():
+        for start in range(0, len(reps), batch):
+            ids = reps[start:start + batch]
+            due = t0 + start / rate
+            if time.time() < due:
+                time.sleep(due - time.time())
+            pieces = []
+            for f in np.unique(ids // INGEST_ROWS).tolist():
+                if f not in inputs:
+                    inputs = {**{k: v for k, v in inputs.items() if k >= f - 1},
+                              f: pq.read_table(job.dir.input_files()[f]).drop_columns(["__llmbatch_key"])}
+                source, mine = inputs[f], ids[ids // INGEST_ROWS == f]
+                pieces.append(source.take(pa.array(np.searchsorted(source.column(ROW_ID).to_numpy(), mine))))
+            table = pa.concat_tables(pieces)
+            n = table.num_rows
+            table = (table.append_column(ERROR_COLUMN, pa.array([""] * n))
+                     .append_column("generated_text", pa.array(["Technology"] * n))
+                     .append_column(STATS, pa.array([{"replica": "r0", "deduped": False, "in_flight": 5}] * n))
+                     .append_column(ANSWER, pa.array(["{}"] * n)))
+            t = time.time()
+            arrived[ids] = t - t0
+            with committer._lock:
+                committer._add(table)
+            busy.append(time.time() - t)
+        committer.flush()
+    # when each representative was committed: the parts' modification times, by row id
+    committed = np.full(rows, np.nan)
+    for path in job.dir.part_files():
+        ids = pq.read_table(path, columns=[ROW_ID]).column(0).to_numpy()
+        committed[ids] = path.stat().st_mtime - t0
+    lag = (committed - arrived)[reps]
+    return {"stream_s": round(time.time() - t0, 2), "rate": rate, "batches": len(busy),
+            "busy_max_s": round(max(busy), 2), "busy_total_s": round(sum(busy), 2),
+            "rep_commit_lag_s": {q: round(float(np.nanpercentile(lag, q)), 2) for q in (50, 90, 99, 100)},
+            "parts": len(job.dir.part_files())}
 
 
 if __name__ == "__main__":

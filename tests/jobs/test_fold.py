@@ -7,6 +7,7 @@ tests/e2e/test_workload_optimizations.py runs folded jobs on the real engine."""
 from __future__ import annotations
 
 import json
+import sys
 
 import numpy as np
 import pyarrow as pa
@@ -197,3 +198,38 @@ def test_answers_are_let_go_once_their_followers_are_built(job):
     assert fold.answers.chunks == [None, None, None] and fold.left.sum() == 0
     committer.flush()
     assert sorted(r[ROW_ID] for r in committed(job)) == list(range(rows))
+
+
+def test_an_input_file_is_read_once_while_its_followers_are_built_and_let_go_after(job, monkeypatch):
+    """Followers are built a few at a time as their representatives come back; their input file
+    is decoded once (a 2,000,000-row job read each of its files about 150 times), kept while the
+    file has followers to build, and let go once it has none; a small cache reads again rather
+    than grow."""
+    monkeypatch.setattr(fold_module, "EMIT_ROWS", 1)  # every answer emits what it made ready
+    reads = []
+    real = fold_module.pq.read_table
+
+    def counting(path, *args, **kwargs):
+        # the builds' reads: whole files, from jobs/fold.py (its set-up selects columns; the
+        # answers made here read with jobs/ingest.py)
+        if not args and not kwargs and sys._getframe(1).f_code.co_filename == fold_module.__file__:
+            reads.append(str(path))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(fold_module.pq, "read_table", counting)
+    fold, committer, done = folding(job)
+    for rep in (0, 1, 3, 7):
+        committer.add(answered(job, [rep]))
+    assert len(reads) == len(set(reads)), reads
+    assert list(fold._inputs) == [1]  # file 1 waits for row 9 (the empty company's group); files 0 and 2 are done
+    committer.add(answered(job, [6]))
+    committer.flush()
+    assert sorted(r[ROW_ID] for r in committed(job)) == list(range(len(COMPANIES)))
+    assert fold._inputs == {}, "every file's followers are built: none is kept"
+    monkeypatch.setattr(fold_module, "INPUT_CACHE_BYTES", 1)  # room for one file only
+    reads.clear()
+    fold, committer, done = folding(job, fold=Fold(job.input_files(), 5, np.ones(len(COMPANIES), dtype=bool),
+                                                   ["Company"]))
+    for rep in (0, 1, 3, 6, 7):
+        committer.add(answered(job, [rep]))
+    assert len(fold._inputs) <= 1

@@ -18,6 +18,7 @@ the engine). Rows with a read error are never folded.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,6 +47,12 @@ WRITTEN_COLUMNS = frozenset({*ENGINE_OUTPUT_COLUMNS, *REQUEST_COLUMNS, "messages
 #: Followers of one input file are built once this many are ready (or all of the file's are),
 #: and at every timed commit and at the end of the stream.
 EMIT_ROWS = 4096
+#: Input files kept in memory, decoded, between the builds of their followers (bytes of Arrow
+#: tables, the least recently used let go first; a file whose followers are all built goes at
+#: once). A file's followers are built a few thousand at a time as their representatives come
+#: back, so without it a 2,000,000-row job read each of its input files about 150 times: 135 s
+#: of the driver's 195 s in ``bench/driver_costs.py --stream``.
+INPUT_CACHE_BYTES = 512 << 20
 
 
 def group_codes(table: pa.Table, columns: list[str]) -> np.ndarray:
@@ -121,6 +128,7 @@ class Fold:
         self.followers = len(followers)
         #: per group, its followers not built yet
         self.left = np.maximum(self.end - self.start - 1, 0)
+        self._inputs: OrderedDict[int, pa.Table] = OrderedDict()
 
     # -- as representatives come back -------------------------------------------------------
 
@@ -165,7 +173,22 @@ class Fold:
                 if len(fresh):
                     out.extend(self._build(f, fresh))
                 self._built(self.group_of[ids])
+                if self.pending[f] <= 0:
+                    self._inputs.pop(f, None)
         return out
+
+    def _input(self, f: int) -> pa.Table:
+        """Input file ``f``'s rows as followers take them (see :data:`INPUT_CACHE_BYTES`)."""
+        table = self._inputs.get(f)
+        if table is not None:
+            self._inputs.move_to_end(f)
+            return table
+        table = pq.read_table(self.files[f])
+        table = table.drop_columns([c for c in (KEY_COLUMN, ERROR_COLUMN) if c in table.column_names])
+        self._inputs[f] = table
+        while len(self._inputs) > 1 and sum(t.nbytes for t in self._inputs.values()) > INPUT_CACHE_BYTES:
+            self._inputs.popitem(last=False)
+        return table
 
     def _built(self, groups: np.ndarray) -> None:
         """Followers of ``groups`` (one entry each) are built: let go of the answers no
@@ -181,10 +204,9 @@ class Fold:
 
     def _build(self, f: int, ids: np.ndarray) -> list[pa.Table]:
         """Followers ``ids`` of input file ``f``: their own input columns, their group's answer."""
-        source = pq.read_table(self.files[f])
+        source = self._input(f)
         positions = np.searchsorted(source.column(ROW_ID).to_numpy(), ids)
-        source = source.take(pa.array(positions)).drop_columns([c for c in (KEY_COLUMN, ERROR_COLUMN)
-                                                               if c in source.column_names])
+        source = source.take(pa.array(positions))
         groups = self.group_of[ids]
         chunks = self.answers.chunk_of[groups]
         tables = []
