@@ -233,3 +233,23 @@ def test_an_input_file_is_read_once_while_its_followers_are_built_and_let_go_aft
     for rep in (0, 1, 3, 6, 7):
         committer.add(answered(job, [rep]))
     assert len(fold._inputs) <= 1
+
+
+def test_followers_are_built_a_slice_at_a_time_behind_the_answers_and_all_at_the_end(job, monkeypatch):
+    """A batch of answers makes many followers ready (a skewed job's first answers carry most of
+    its rows); the driver builds them a slice at a time, so it goes back to taking answers, and
+    a commit writes the answered rows before their followers; the end of the stream builds the
+    rest."""
+    monkeypatch.setattr(fold_module, "BUILD_SLICE", 1)
+    monkeypatch.setattr("llmbatch.jobs.driver.BUILD_SLICE", 1)
+    fold, committer, done = folding(job)
+    committer.add(answered(job, [0, 1, 3, 6, 7]))  # every follower is ready: files 0, 1 and 2
+    assert sorted(fold.ready) == [1, 2], "one slice built (file 0's followers 2 and 4), the rest wait"
+    with committer._lock:
+        committer._flush()  # a timed commit: the answers, file 0's followers and one more slice
+    assert sorted(fold.ready) == [2]
+    first = pq.read_table(job.part_files()[0]).column(ROW_ID).to_pylist()
+    assert first[:5] == [0, 1, 3, 6, 7] and sorted(first[5:]) == [2, 4, 5, 8, 9], first
+    committer.flush()  # the end of the stream: everything
+    assert fold.ready == {} and done.all()
+    assert sorted(r[ROW_ID] for r in committed(job)) == list(range(len(COMPANIES)))

@@ -22,7 +22,7 @@ from llmbatch.cluster import ensure_ray
 from llmbatch.codec import decode_rows, encode_rows, rows_to_table
 from llmbatch.errors import EngineStartError, JobError, LLMBatchError, RowError
 from llmbatch.io.writers import conform, unify_schema
-from llmbatch.jobs.fold import Fold
+from llmbatch.jobs.fold import BUILD_SLICE, Fold
 from llmbatch.jobs.identity import config_hash
 from llmbatch.jobs.ingest import INGEST_ROWS, input_rows
 from llmbatch.jobs.job import Job
@@ -100,7 +100,7 @@ class Committer:
         if table is None:
             return
         if self.fold is not None:
-            for followers in self.fold.answered(table, self.done):
+            for followers in self.fold.answered(table, self.done, limit=BUILD_SLICE):
                 self._keep(followers)
         if self.buffered >= self.commit_rows or time.monotonic() - self.last_commit >= self.commit_seconds:
             self._flush()
@@ -124,8 +124,10 @@ class Committer:
         return table
 
     def flush(self) -> None:
+        """Commit everything: what waits and every follower whose answer is here (the end of
+        the stream)."""
         with self._lock:
-            self._flush()
+            self._flush(final=True)
 
     def flush_due(self) -> None:
         """Commit what waits once ``commit_seconds`` have passed, also when no batch arrives:
@@ -158,9 +160,12 @@ class Committer:
             stop.set()
             thread.join(timeout=60)
 
-    def _flush(self) -> None:
-        if self.fold is not None:  # every follower whose answer is here goes with this commit
-            for followers in self.fold.emit(self.done, everything=True):
+    def _flush(self, final: bool = False) -> None:
+        # the followers whose answers are here go with this commit: all of them at the end, else
+        # a slice (the answers waiting behind them go first: see fold.BUILD_SLICE); the rows in
+        # the buffer before them (the answered rows themselves) are committed first
+        if self.fold is not None:
+            for followers in self.fold.emit(self.done, everything=True, limit=None if final else BUILD_SLICE):
                 self._keep(followers)
         if not self.buffer:
             return
