@@ -91,6 +91,7 @@ def main() -> None:
 
 def stream(job, fold: Fold, rows: int, rate: float, commit_rows: int, batch: int = 256) -> dict:
     """The representatives through the driver's Committer at ``rate`` rows a second."""
+    from llmbatch.codec import encode_rows
     from llmbatch.jobs.driver import Committer
     from llmbatch.progress import Progress
     from llmbatch.rows import ROW_ID
@@ -120,10 +121,10 @@ def stream(job, fold: Fold, rows: int, rate: float, commit_rows: int, batch: int
                      .append_column("generated_text", pa.array(["Technology"] * n))
                      .append_column(STATS, pa.array([{"replica": "r0", "deduped": False, "in_flight": 5}] * n))
                      .append_column(ANSWER, pa.array(["{}"] * n)))
+            encoded = encode_rows(table.to_pylist())  # as a replica sends its rows
             t = time.time()
             arrived[ids] = t - t0
-            with committer._lock:
-                committer._add(table)
+            committer.add(encoded)  # the driver's work on a batch: decoding it included
             busy.append(time.time() - t)
         committer.flush()
     # when each representative was committed: the parts' modification times, by row id
