@@ -79,11 +79,16 @@ def run_llmbatch(args) -> dict:
     cmd = [sys.executable, "-m", "llmbatch", "run", str(folder / "job.yaml"), "--quiet"]
     for s in args.sets:
         cmd += ["--set", s]
+    # every replica appends a byte per request before it hands it its engine (stages/engine.py):
+    # the requests that reached the engines, the killed run's included
+    tally = folder / "requests"
+    os.environ["LLMBATCH_REQUEST_TALLY_DIR"] = str(tally)
     gpu = GpuSampler()
     t0 = time.time()
     killed = {}
     if args.kill_at:  # SIGKILL the job's process group once this many rows are committed, then resume
         killed = kill_when_committed(cmd, folder / "out.parquet.job", args.kill_at, args.timeout)
+        killed["requests_sent_before_kill"] = sent_requests(tally)
         cmd = [sys.executable, "-m", "llmbatch", "resume", str(folder / "out.parquet.job"), "--quiet"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     wall = time.time() - t0
@@ -102,16 +107,20 @@ def run_llmbatch(args) -> dict:
     ids = pq.read_table(folder / "out.parquet", columns=["Index"]).column(0).to_pylist()
     timeline = in_flight_timeline(job_dir)
     rows_start = (stats["phases_s"].get("to_first_row") or 0)
-    if args.kill_at:
-        import pyarrow.csv as pacsv
+    import pyarrow.csv as pacsv  # the distinct prompts: what the requests sent are held against
 
-        companies = pacsv.read_csv(args.input, convert_options=pacsv.ConvertOptions(include_columns=["Company"]))
-        result["distinct_prompts"] = len(set(companies.column(0).slice(0, args.rows).to_pylist()))
+    companies = pacsv.read_csv(args.input, convert_options=pacsv.ConvertOptions(include_columns=["Company"]))
+    result["distinct_prompts"] = len(set(companies.column(0).slice(0, args.rows).to_pylist()))
     result.update(rows_ok=stats["rows_ok"], rows_error=stats["rows_error"], ids_once=len(ids) == len(set(ids)) == args.rows,
-                  requests_to_engine=stats["rows_ok"] - stats["deduplicated_rows"],
+                  requests_to_engine=stats["rows_ok"] - stats["deduplicated_rows"], requests_sent=sent_requests(tally),
                   generated_tokens=stats["generated_tokens"], phases_s=stats["phases_s"], in_flight=timeline,
                   gpu_busy_rows_phase=busy_share(points, rows_start), output=str(folder / "out.parquet"))
     return result
+
+
+def sent_requests(tally: Path) -> int:
+    """The requests the job's replicas handed their engines (one byte each, written before)."""
+    return sum(f.stat().st_size for f in tally.glob("*")) if tally.is_dir() else 0
 
 
 def committed_rows(job_dir: Path) -> int:

@@ -166,6 +166,26 @@ def test_dead_engine_is_restarted_and_rows_retried():
     assert all(r[ERROR_COLUMN] == "" for r in out) and len(out) == 4
 
 
+def test_the_request_tally_counts_every_request_handed_the_engine_retries_included(tmp_path, monkeypatch):
+    # the benchmarks' count of requests that reached the engine across a kill (bench/industry_gpu.py):
+    # one byte per request, written before the engine has it, copies of identical rows not counted
+    monkeypatch.setenv("LLMBATCH_REQUEST_TALLY_DIR", str(tmp_path / "tally"))
+    engine = FakeEngine(die_on={"p1"}, die_times=1)
+    rows = [{"prompt": f"p{i}"} for i in range(4)] + [{"prompt": "p0"}, {"prompt": "p2"}]
+    out = []
+
+    async def go():
+        stage = EngineStage(engine)
+        await stage.start()
+        async for chunk in stage(rows):
+            out.extend(chunk)
+
+    asyncio.run(go())
+    files = list((tmp_path / "tally").iterdir())
+    assert len(out) == 6 and len(engine.calls) == 5  # p0..p3 once each, p1 again after the engine died
+    assert len(files) == 1 and files[0].stat().st_size == len(engine.calls), files
+
+
 def test_engine_that_keeps_dying_gives_error_rows_after_bounded_attempts():
     engine = FakeEngine(die_on={"p1"}, die_times=99)
     stage = EngineStage(engine, max_attempts=3)

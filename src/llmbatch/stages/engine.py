@@ -42,6 +42,11 @@ logger = logging.getLogger(__name__)
 #: 16-byte digests of the request, so long prompts cost nothing here).
 RESULT_CACHE_BYTES = 64 << 20
 
+#: A folder where each replica appends one byte per request it hands its engine, before it hands
+#: it (retries included), so the count survives a SIGKILL: the benchmarks' exact count of the
+#: requests that reached the engines across a kill and a resume (bench/industry_gpu.py).
+REQUEST_TALLY_ENV = "LLMBATCH_REQUEST_TALLY_DIR"
+
 
 class EngineStage(Stage):
     """Runs rows through an engine (see module docstring)."""
@@ -91,6 +96,7 @@ class EngineStage(Stage):
         #: requests inside the engine now, and answered so far (the replica's heartbeat)
         self.in_flight = 0
         self.done = 0
+        self._tally: int | None = None  # the REQUEST_TALLY_ENV file's descriptor, if asked
 
     def prepare(self) -> None:
         """In the driver, when the processor runs: what the engine's replicas share."""
@@ -128,6 +134,10 @@ class EngineStage(Stage):
         self._turns = Turns() if apart else None
         self._restart_lock = asyncio.Lock()
         self._known = load_known(self.known_answers)
+        if (folder := os.environ.get(REQUEST_TALLY_ENV)) and self._tally is None:
+            os.makedirs(folder, exist_ok=True)
+            name = os.path.join(folder, f"{self.replica.replace(':', '-')}-{uuid.uuid4().hex[:8]}")
+            self._tally = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         self._ready = True
         self.ready_at = time.time()
 
@@ -173,6 +183,8 @@ class EngineStage(Stage):
         if not self.first_request_at:
             self.first_request_at = time.time()
         self.in_flight += 1
+        if self._tally is not None:
+            os.write(self._tally, b".")
         try:
             return await self.engine.run(request)
         finally:
