@@ -121,40 +121,60 @@ def test_a_second_run_leases_the_warm_engine_of_the_first():
 
 
 @pytest.mark.parametrize("env", [None, "2"])
-def test_other_settings_get_their_own_host_and_the_least_recently_used_makes_room(env, monkeypatch):
+def test_other_settings_get_their_own_host_and_the_least_used_makes_room(env, monkeypatch):
     """Up to IDLE_OTHERS_CPU (or LLMBATCH_WARM_IDLE_OTHERS) idle hosts of other settings stay."""
-    # where the machine has less than ROOM_FRACTION of its memory available, none stay (the next
+    # where the machine has less than ROOM_FRACTION of its memory available, fewer stay (the next
     # test): the count rule is tested with memory to spare, whatever the machine has just now
-    monkeypatch.setattr(warm, "short_of_memory", lambda fraction: False)
+    monkeypatch.setattr(warm, "memory_shortfall", lambda fraction: 0)
     if env is None:
         monkeypatch.delenv(warm.IDLE_OTHERS_ENV, raising=False)
     else:
         monkeypatch.setenv(warm.IDLE_OTHERS_ENV, env)
     keep = warm.IDLE_OTHERS_CPU if env is None else int(env)
     names = "abcdefgh"[:keep + 1]
+    _run(_answer(names[-1]))  # the last setting: used twice, first and last, so the most used
     for name in names:
         _run(_answer(name))
     assert len(set(warm._hosts().values())) == keep + 1
-    _run(_answer("z"))  # "a" was idle longest: it stops to make room (where memory is short, all would)
+    _run(_answer("z"))  # "a" was used once and idle longest: it stops to make room
     deadline = time.monotonic() + 30
     while len(warm._hosts()) > keep + 1 and time.monotonic() < deadline:
         time.sleep(0.2)
     keys = set(warm._hosts().values())
     assert _key(_stage("a")) not in keys and _key(_stage("z")) in keys, keys
-    assert len(keys) == keep + 1
+    assert _key(_stage(names[-1])) in keys and len(keys) == keep + 1
 
 
-def test_where_memory_is_short_a_new_host_stops_every_idle_host_of_other_settings(monkeypatch):
-    monkeypatch.setattr(warm, "short_of_memory", lambda fraction: False)
-    for name in "ab":
+def _wait_hosts(count: int) -> set:
+    deadline = time.monotonic() + 30
+    while len(warm._hosts()) > count and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return set(warm._hosts().values())
+
+
+def test_where_memory_is_short_the_least_used_idle_hosts_stop_until_their_memory_makes_it_up(monkeypatch):
+    """Short of memory, a new host stops idle hosts of other settings, the fewest leases first
+    (here "b", leased once though most recently), only as many as hold the bytes missing; the
+    engine most runs used ("a", leased three times) stays loaded. Missing more than they all
+    hold, every idle host of other settings stops."""
+    monkeypatch.setattr(warm, "memory_shortfall", lambda fraction: 0)
+    for name in "aaab":
         _run(_answer(name))
     assert len(set(warm._hosts().values())) == 2
-    monkeypatch.setattr(warm, "short_of_memory", lambda fraction: fraction == warm.ROOM_FRACTION)
+    monkeypatch.setattr(warm, "memory_shortfall", lambda fraction: 1 if fraction == warm.ROOM_FRACTION else 0)
     _run(_answer("z"))
-    deadline = time.monotonic() + 30
-    while len(warm._hosts()) > 1 and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert set(warm._hosts().values()) == {_key(_stage("z"))}
+    assert _wait_hosts(2) == {_key(_stage("a")), _key(_stage("z"))}
+    monkeypatch.setattr(warm, "memory_shortfall", lambda fraction: 1 << 50 if fraction == warm.ROOM_FRACTION else 0)
+    _run(_answer("y"))
+    assert _wait_hosts(1) == {_key(_stage("y"))}
+
+
+def test_an_idle_host_short_of_memory_waits_longer_the_more_leases_it_served():
+    assert engine_host.stops_for_memory(0.0, 0)  # never leased: at once
+    assert not engine_host.stops_for_memory(engine_host.WATCH_EVERY_S * 2, 3)
+    assert engine_host.stops_for_memory(engine_host.WATCH_EVERY_S * 3, 3)
+    most = engine_host.WATCH_EVERY_S * engine_host.LOW_MEMORY_PATIENCE_LEASES
+    assert engine_host.stops_for_memory(most, 1000) and not engine_host.stops_for_memory(most - 1, 1000)
 
 
 def test_an_idle_host_stops_after_keep_warm_s():

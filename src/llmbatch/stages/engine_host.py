@@ -30,16 +30,49 @@ HANDOVER_WAIT_S = 10.0
 TAKEOVER_IDLE_S = 3.0
 #: How often a host looks at its lessee (alive?), its idle time and its machine's memory.
 WATCH_EVERY_S = 2.0
-#: An idle host stops when its machine has less than this share of its memory available.
+#: An idle host stops when its machine has less than this share of its memory available, the
+#: least used host first: each waits :data:`WATCH_EVERY_S` per lease it has served (at most
+#: :data:`LOW_MEMORY_PATIENCE_LEASES` of them) for the memory to come back before it stops, so
+#: the hosts of one-off settings make the room and the engine most runs use stays loaded.
 LOW_MEMORY_FRACTION = 0.2
+LOW_MEMORY_PATIENCE_LEASES = 15
 
 
 def short_of_memory(fraction: float) -> bool:
     """Whether this machine has less than ``fraction`` of its memory available."""
+    return memory_shortfall(fraction) > 0
+
+
+def memory_shortfall(fraction: float) -> int:
+    """Bytes this machine lacks to have ``fraction`` of its memory available (0: none)."""
     import psutil
 
     memory = psutil.virtual_memory()
-    return memory.available < fraction * memory.total
+    return max(0, int(fraction * memory.total - memory.available))
+
+
+def stops_for_memory(short_for_s: float, leases: int) -> bool:
+    """Whether an idle host that has served ``leases`` leases stops, its machine short of
+    memory for ``short_for_s`` seconds (:data:`LOW_MEMORY_FRACTION`)."""
+    return short_for_s >= WATCH_EVERY_S * min(leases, LOW_MEMORY_PATIENCE_LEASES)
+
+
+def tree_memory() -> int:
+    """Bytes this process and its children hold alone (USS; RSS where the system gives no USS):
+    what stopping it gives back to its machine."""
+    import psutil
+
+    total = 0
+    me = psutil.Process()
+    for proc in [me, *me.children(recursive=True)]:
+        try:
+            try:
+                total += proc.memory_full_info().uss
+            except (psutil.AccessDenied, AttributeError):
+                total += proc.memory_info().rss
+        except psutil.Error:
+            continue  # gone since it was listed
+    return total
 
 
 class LeaseLost(RuntimeError):
@@ -170,9 +203,16 @@ class EngineHost:
 
     # -- lifetime ----------------------------------------------------------------------------
 
-    def state(self) -> dict[str, Any]:
-        return {"key": self.key, "leased": self.token is not None, "idle_s": time.time() - self.idle_since,
-                "engine": self.engine is not None, "stopping": self._closing}
+    def state(self, memory: bool = False) -> dict[str, Any]:
+        """What a lease that makes room looks at; ``memory``: with the bytes stopping this host
+        would give back (``memory_bytes``) and its node."""
+        out = {"key": self.key, "leased": self.token is not None, "idle_s": time.time() - self.idle_since,
+               "engine": self.engine is not None, "stopping": self._closing, "leases": self.leases}
+        if memory:
+            import ray
+
+            out.update(memory_bytes=tree_memory(), node=ray.get_runtime_context().get_node_id())
+        return out
 
     async def stop(self) -> bool:
         """Stop the engine and this host, unless it is leased; returns whether it stops."""
@@ -204,9 +244,11 @@ class EngineHost:
 
     async def _watch(self) -> None:
         checked = time.monotonic()
+        short_since: float | None = None  # since when the machine is short of memory, idle here
         while not self._closing:
             await asyncio.sleep(WATCH_EVERY_S)
             if self.token is not None:
+                short_since = None
                 # a lessee that died without giving the host back (a killed driver): look now
                 # and then, when no batch of its is running here
                 if not self._tasks and time.monotonic() - checked > 5 * WATCH_EVERY_S:
@@ -219,8 +261,12 @@ class EngineHost:
             if time.time() - self.idle_since > self.keep_warm_s:
                 await self._close()
             elif short_of_memory(LOW_MEMORY_FRACTION):
-                logger.info("warm engine host stops: its machine is short of memory")
-                await self._close()
+                short_since = short_since or time.monotonic()
+                if stops_for_memory(time.monotonic() - short_since, self.leases):
+                    logger.info("warm engine host stops: its machine is short of memory")
+                    await self._close()
+            else:
+                short_since = None
 
 
 def _start_stages(stages: list[Stage]) -> None:

@@ -22,12 +22,14 @@ instead of starting an engine.
   leases another for its next batch.
 - A host whose engine dies restarts it (the engine stage's own restart); a host that dies is
   replaced, and the rows it had not answered go to the new one.
-- Before a new host starts, idle hosts of other settings stop, the least recently used first:
-  on a GPU all of them (a host holds its device); on a CPU all but :data:`IDLE_OTHERS_CPU`, and
-  all of them where the machine has less than :data:`ROOM_FRACTION` of its memory available.
-  An idle host also stops by itself when its machine runs short of memory
-  (:data:`~llmbatch.stages.engine_host.LOW_MEMORY_FRACTION`): warm engines never take the
-  memory a run needs.
+- Before a new host starts, idle hosts of other settings stop, the least used first (the
+  fewest leases served, then the longest idle): on a GPU all of them (a host holds its device);
+  on a CPU all but :data:`IDLE_OTHERS_CPU`, and where the machine has less than
+  :data:`ROOM_FRACTION` of its memory available, more of them, until the memory they hold
+  makes up what is missing. The engine that most runs use stays loaded while one-off settings
+  come and go. An idle host also stops by itself when its machine runs short of memory
+  (:data:`~llmbatch.stages.engine_host.LOW_MEMORY_FRACTION`), the least used first: warm engines
+  never take the memory a run needs.
 - A host whose engine cannot start fails the lease with the reason and stops.
 
 Only for engines of one device and no placement group (the engine's workers would outlive a
@@ -50,7 +52,7 @@ from llmbatch.errors import ConfigError, EngineStartError
 from llmbatch.rows import PRIVATE_PREFIX, STATS, Row
 from llmbatch.stages.base import Stage
 from llmbatch.stages.engine import EngineStage, process_start
-from llmbatch.stages.engine_host import EngineHost, LeaseLost, short_of_memory
+from llmbatch.stages.engine_host import EngineHost, LeaseLost, memory_shortfall
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +69,7 @@ LEASE_ATTEMPTS = 3
 IDLE_OTHERS_CPU = 3
 IDLE_OTHERS_ENV = "LLMBATCH_WARM_IDLE_OTHERS"
 #: Where less than this share of the machine's memory is available, a new host starts only after
-#: every idle host of other settings has stopped.
+#: idle hosts of other settings that hold what is missing have stopped.
 ROOM_FRACTION = 0.35
 #: The row key that tells a replica which of its rows came back from the host.
 _INDEX = f"{PRIVATE_PREFIX}warm_i"
@@ -75,7 +77,7 @@ _INDEX = f"{PRIVATE_PREFIX}warm_i"
 
 def idle_others_cpu() -> int:
     """How many idle hosts of other settings a CPU cluster keeps: ``LLMBATCH_WARM_IDLE_OTHERS``,
-    else :data:`IDLE_OTHERS_CPU` (memory still rules: below :data:`ROOM_FRACTION` none stays)."""
+    else :data:`IDLE_OTHERS_CPU` (memory still rules: below :data:`ROOM_FRACTION` fewer stay)."""
     raw = os.environ.get(IDLE_OTHERS_ENV, "").strip()
     try:
         return max(0, int(raw)) if raw else IDLE_OTHERS_CPU
@@ -120,8 +122,10 @@ def _hosts() -> dict[str, str]:
     return out
 
 
-async def _stop_idle_others(key: str, keep: int) -> None:
-    """Stop idle hosts of other settings, the longest idle first, keeping ``keep`` of them."""
+async def _stop_idle_others(key: str, keep: int, room: float = 0.0) -> None:
+    """Stop idle hosts of other settings, the least used first (fewest leases, then the longest
+    idle): all but the ``keep`` most used, then, where this machine has less than ``room`` of its
+    memory available, more of them until the memory they hold here makes up the difference."""
     import ray
 
     idle = []
@@ -130,16 +134,31 @@ async def _stop_idle_others(key: str, keep: int) -> None:
             continue
         try:
             handle = ray.get_actor(name, namespace=NAMESPACE)
-            state = await handle.state.remote()
+            state = await handle.state.remote(memory=room > 0)
         except Exception:  # noqa: BLE001 - gone since it was listed
             continue
         if not state["leased"] and not state["stopping"]:
-            idle.append((state["idle_s"], name, handle))
-    idle.sort(key=lambda item: item[0])  # most recently used first
-    for _, name, handle in idle[keep:]:
+            idle.append((state, name, handle))
+    idle.sort(key=lambda item: (-item[0].get("leases", 0), item[0]["idle_s"]))  # the most used first
+    stop, kept = idle[keep:], idle[:keep]
+    missing = memory_shortfall(room) if room > 0 else 0
+    if missing:
+        here = ray.get_runtime_context().get_node_id()
+
+        def frees(state: dict) -> int:
+            return int(state.get("memory_bytes") or 0) if state.get("node") == here else 0
+
+        missing -= sum(frees(state) for state, _, _ in stop)
+        for item in reversed(kept):  # the least used of those the count rule keeps
+            if missing <= 0:
+                break
+            if frees(item[0]):
+                stop.append(item)
+                missing -= frees(item[0])
+    for state, name, handle in stop:
         try:
             await handle.stop.remote()
-            logger.info("stopped idle warm engine host %s to make room", name)
+            logger.info("stopped idle warm engine host %s to make room (%d leases)", name, state.get("leases", 0))
         except Exception:  # noqa: BLE001 - gone already
             continue
 
@@ -161,8 +180,10 @@ async def lease(chain: list[Stage], key: str, keep_warm_s: float,
     for index in range(len(hosts) + 16):
         name = next((n for n in sorted(hosts) if n not in tried), None)
         if name is None:  # every host of these settings is busy: one more
-            await _stop_idle_others(key, 0 if host_resources.get("num_gpus") or short_of_memory(ROOM_FRACTION)
-                                    else idle_others_cpu())
+            if host_resources.get("num_gpus"):
+                await _stop_idle_others(key, 0)
+            else:
+                await _stop_idle_others(key, idle_others_cpu(), room=ROOM_FRACTION)
             taken = set(_hosts())
             name = next(f"{PREFIX}:{key}:{n}" for n in range(len(taken) + 1) if f"{PREFIX}:{key}:{n}" not in taken)
             options = {"name": name, "namespace": NAMESPACE, "lifetime": "detached", "get_if_exists": True,
