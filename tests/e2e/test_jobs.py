@@ -6,6 +6,7 @@ through RAY_ADDRESS; killing a driver is what a crash of the machine running it 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -74,8 +75,8 @@ DRIVER = ("import runpy, signal, sys; signal.signal(signal.SIGINT, signal.defaul
           "sys.argv[0] = 'llmbatch'; runpy.run_module('llmbatch', run_name='__main__', alter_sys=True)")
 
 
-def cli(*args: str, log: Path) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+def cli(*args: str, log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     fh = open(log, "ab")
     return subprocess.Popen([sys.executable, "-c", DRIVER, *args], stdout=fh, stderr=subprocess.STDOUT,
                             env=env, start_new_session=True)
@@ -101,15 +102,25 @@ def output_ids(job_dir: Path) -> tuple[list, list]:
     return ok, errors
 
 
+def sent_and_journaled(tally: Path, job_dir: Path) -> tuple[int, int]:
+    """The requests the engine was handed (stages/engine.py's tally: a byte each) and the
+    answers in the job's journal (a line each)."""
+    sent = sum(f.stat().st_size for f in tally.glob("*")) if tally.is_dir() else 0
+    journal = job_dir / "answers"
+    return sent, sum(f.read_bytes().count(b"\n") for f in journal.glob("*")) if journal.is_dir() else 0
+
+
 def test_sigkill_at_three_points_and_sigint_then_resume_exactly_once(ray_cluster, smollm2, tmp_path):
     rows, tail = 160, 20
     job_file, job_dir = write_job(tmp_path, rows, long_tail=tail)
     log = tmp_path / "driver.log"
+    tally = tmp_path / "tally"  # every request the engine was handed, across the kills
+    tallied = functools.partial(cli, env={"LLMBATCH_REQUEST_TALLY_DIR": str(tally)})
 
     # 1. SIGKILL before the first commit: the input is staged, Ray and the replica are starting
     # (killed the moment the input is staged: rows take seconds to come back even from a warm
     # engine, the first commit a second after them)
-    p = cli("run", str(job_file), "--quiet", log=log)
+    p = tallied("run", str(job_file), "--quiet", log=log)
     wait_for(lambda: JobDir(job_dir).exists() and JobDir(job_dir).meta().ingested, 300, "staged", p)
     assert committed(job_dir) == 0
     kill9(p)
@@ -117,7 +128,7 @@ def test_sigkill_at_three_points_and_sigint_then_resume_exactly_once(ray_cluster
     assert status(job_dir)["state"].startswith("interrupted")
 
     # 2. SIGKILL mid-way; `status` from another process sees the driver's counts while it runs
-    p = cli("resume", str(job_dir), "--quiet", log=log)
+    p = tallied("resume", str(job_dir), "--quiet", log=log)
     wait_for(lambda: committed(job_dir) >= 30, BOUND_S, "some committed rows", p, step=POLL_S)
     live = status(job_dir)
     assert live["state"] == "running" and live["rows_total"] == rows
@@ -127,7 +138,7 @@ def test_sigkill_at_three_points_and_sigint_then_resume_exactly_once(ray_cluster
     assert 30 <= mid < rows - tail
 
     # 3. Ctrl-C stops cleanly within seconds and keeps what was answered
-    p = cli("resume", str(job_dir), "--quiet", log=log)
+    p = tallied("resume", str(job_dir), "--quiet", log=log)
     wait_for(lambda: committed(job_dir) >= mid + 16, BOUND_S, "progress after resume", p, step=POLL_S)
     p.send_signal(signal.SIGINT)
     t0 = time.monotonic()
@@ -138,7 +149,7 @@ def test_sigkill_at_three_points_and_sigint_then_resume_exactly_once(ray_cluster
     assert status(job_dir)["state"].startswith("stopped")
 
     # 4. SIGKILL while the last part is being made (only the long last rows are left)
-    p = cli("resume", str(job_dir), "--quiet", log=log)
+    p = tallied("resume", str(job_dir), "--quiet", log=log)
     near_end = rows - tail - 8  # every short row (the long ones take several times longer)
     wait_for(lambda: committed(job_dir) >= near_end, BOUND_S, "all but the last part", p, step=0.2)
     assert p.poll() is None, "the job finished before it could be killed in its last part"
@@ -146,11 +157,17 @@ def test_sigkill_at_three_points_and_sigint_then_resume_exactly_once(ray_cluster
     assert near_end <= committed(job_dir) < rows
 
     # 5. resume to the end: every input id exactly once across output and errors
-    p = cli("resume", str(job_dir), "--quiet", log=log)
+    sent_before, journaled = sent_and_journaled(tally, job_dir)
+    p = tallied("resume", str(job_dir), "--quiet", log=log)
     assert p.wait(timeout=BOUND_S) == 0, log.read_text()[-3000:]
     ok, errors = output_ids(job_dir)
     assert sorted(ok + errors) == list(range(1, rows + 1)), "lost or duplicated rows"
     assert errors == []
+    # no answer the killed runs made is made again, committed or not (the answer journal): the
+    # requests beyond one per row are at most those the kills cut off before they were answered
+    sent, _ = sent_and_journaled(tally, job_dir)
+    assert 0 < journaled <= sent_before and sent - rows <= sent_before - journaled, (sent, sent_before, journaled)
+    assert not (job_dir / "answers").exists(), "a finished job keeps no journal: its answers are committed"
     done = status(job_dir)
     assert done["state"] == "finished" and done["rows_done"] == rows and done["rows_todo"] == 0
     runs = JobDir(job_dir).meta().runs

@@ -27,8 +27,9 @@ def test_answers_that_are_not_plain_json_or_too_big_are_not_recorded():
 
 
 class _Parts:
-    def __init__(self, paths):
+    def __init__(self, paths, journal=None):
         self.paths = paths
+        self.journal_dir = journal if journal is not None else paths[0].parent / "no-journal"
 
     def part_files(self):
         return self.paths
@@ -44,3 +45,18 @@ def test_committed_answers_skip_error_rows_other_tags_and_parts_without_records(
     parts = _Parts([tmp_path / "b.parquet", tmp_path / "a.parquet"])
     assert committed_answers(parts, "t") == {KEY: {"generated_tokens": [5]}}
     assert committed_answers(parts, "t", limit_bytes=10) == {}  # bounded: the rest is recomputed
+
+
+def test_the_answer_journal_is_read_with_the_parts_and_a_line_cut_by_a_kill_is_skipped(tmp_path):
+    # answers a killed run made before their rows were committed (stages/engine.py appends each)
+    committed = answer_record("t", KEY, {"generated_tokens": [5]})
+    pq.write_table(pa.table({ROW_ID: [0], ANSWER: [committed], ERROR_COLUMN: [""]}), tmp_path / "a.parquet")
+    journal = tmp_path / "answers"
+    journal.mkdir()
+    made = [answer_record("t", bytes([i]) * 16, {"generated_tokens": [i]}) for i in range(3)]
+    other = answer_record("old", b"\x09" * 16, {"generated_tokens": [9]})
+    (journal / "host-1-a").write_text(made[0] + "\n" + other + "\n" + made[1] + "\n" + made[2][:-7])  # killed mid-line
+    (journal / "host-2-b").write_text(committed + "\n")
+    known = committed_answers(_Parts([tmp_path / "a.parquet"], journal), "t")
+    assert known == {KEY: {"generated_tokens": [5]}, bytes([0]) * 16: {"generated_tokens": [0]},
+                     bytes([1]) * 16: {"generated_tokens": [1]}}

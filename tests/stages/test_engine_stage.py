@@ -4,6 +4,7 @@ exercised in tests/e2e)."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 
 import pytest
@@ -184,6 +185,50 @@ def test_the_request_tally_counts_every_request_handed_the_engine_retries_includ
     files = list((tmp_path / "tally").iterdir())
     assert len(out) == 6 and len(engine.calls) == 5  # p0..p3 once each, p1 again after the engine died
     assert len(files) == 1 and files[0].stat().st_size == len(engine.calls), files
+
+
+class DigestEngine(FakeEngine):
+    """Requests keyed by a digest, as vLLM's are (the key answer records are made for)."""
+
+    def build_request(self, row):
+        request = super().build_request(row)
+        request.key = hashlib.sha256(row["prompt"].encode()).digest()[:16]
+        return request
+
+
+def test_each_answer_goes_to_the_journal_as_it_is_made_and_copies_do_not(tmp_path):
+    from llmbatch.rows import ANSWER
+    from llmbatch.stages.answers import read_record
+
+    journal = tmp_path / "answers"
+    journal.mkdir()
+    engine = DigestEngine()
+    stage = EngineStage(engine, flush_rows=1)
+    stage.seed(None, "tag", str(journal))
+    rows = [{"prompt": "a"}, {"prompt": "b"}, {"prompt": "a"}, {"prompt": "slow", "delay": 1.0}]
+    seen = []
+
+    async def go():
+        await stage.start()
+        async for chunk in stage(rows):
+            for row in chunk:
+                # written before the row leaves the stage: a kill after this loses nothing
+                lines = [line for f in journal.iterdir() for line in f.read_text().splitlines()]
+                seen.append((row["prompt"], len(lines), row.get(ANSWER) is not None))
+
+    asyncio.run(go())
+    files = list(journal.iterdir())
+    lines = files[0].read_text().splitlines()
+    assert len(files) == 1 and len(lines) == 3  # a, b, slow: the copy of a is not an answer made
+    found = dict(read_record(line, "tag") for line in lines)
+    assert {v["generated_text"] for v in found.values()} == {"A", "B", "SLOW"}
+    assert all(count >= 1 for _, count, _ in seen) and ("slow", 3, True) in seen
+    assert sorted(recorded for _, _, recorded in seen) == [False, True, True, True]  # the rows carry theirs too
+    # a replica that cannot see the folder (another machine) keeps no journal and still answers
+    other = EngineStage(DigestEngine())
+    other.seed(None, "tag", str(tmp_path / "elsewhere"))
+    out = run_stage(other, [{"prompt": "c"}])
+    assert out and not (tmp_path / "elsewhere").exists()
 
 
 def test_engine_that_keeps_dying_gives_error_rows_after_bounded_attempts():

@@ -63,9 +63,11 @@ def seed_answers(processor: Processor, job: Job) -> None:
 
     tag = answer_tag(job)
     known = committed_answers(job.dir, tag)
-    processor.layout.engine.seed(ray.put(known) if known else None, tag)
+    job.dir.journal_dir.mkdir(exist_ok=True)
+    processor.layout.engine.seed(ray.put(known) if known else None, tag, str(job.dir.journal_dir))
     if known:
-        job.log(f"{len(known)} answers from committed rows are copied to identical requests, not sent again")
+        job.log(f"{len(known)} answers the job has (committed rows, the answer journal) are copied to "
+                "identical requests, not sent again")
 
 
 class Committer:

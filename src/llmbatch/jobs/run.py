@@ -251,6 +251,7 @@ def _run_locked(job: Job, *, retry_errors: bool, report: bool, quiet: bool, tty:
         snap = progress.mark("stopped")
         job_dir.log("stopped while writing the output; run `llmbatch resume` to write it")
         return JobResult(job_dir.root, "stopped", None, job_dir.errors_path, snap)
+    job_dir.drop_journal()  # every answer it held is in a committed row now
     if report:
         stats["report"] = str(write_report(progress.timeline, job_dir.root / "report.png"))
         atomic_write_json(job_dir.stats_path, stats)

@@ -124,8 +124,15 @@ class JobDir:
         self.stats_path = self.root / "stats.json"
         self.progress_path = self.root / "progress.json"
         self.log_path = self.root / "log.txt"
+        #: the engine's answers as they are made, before their rows are committed
+        #: (stages/answers.py); dropped when the job finishes
+        self.journal_dir = self.root / "answers"
         self._lock_fh = None
         self._next_part: int | None = None
+
+    def drop_journal(self) -> None:
+        """Remove the answer journal (the job finished: its answers are in committed rows)."""
+        shutil.rmtree(self.journal_dir, ignore_errors=True)
 
     # -- meta --------------------------------------------------------------------------------
 
@@ -299,18 +306,27 @@ KNOWN_ANSWER_BYTES = 512 << 20
 
 
 def committed_answers(job: "JobDir", tag: str, limit_bytes: int = KNOWN_ANSWER_BYTES) -> dict[bytes, dict[str, Any]]:
-    """The answers the job's committed rows recorded under ``tag`` (stages/answers.py), by
-    request digest; rows that are errors now (a retried row's older state included) give none."""
+    """The answers the job recorded under ``tag`` (stages/answers.py), by request digest: those
+    its committed rows carry (rows that are errors now, a retried row's older state included,
+    give none), and those its answer journal holds (made by a run that ended before their rows
+    were committed; a line cut short by a kill is skipped)."""
     answers: dict[bytes, dict[str, Any]] = {}
     size = 0
-    for _, texts in read_ahead(job.part_files(), _answer_records):
-        for text in texts:
-            size += len(text)
-            if size > limit_bytes:
-                return answers
-            found = read_record(text, tag)
-            if found is not None:
-                answers[found[0]] = found[1]
+
+    def records():
+        for path in sorted(job.journal_dir.glob("*")) if job.journal_dir.is_dir() else ():
+            with open(path, encoding="utf-8", errors="replace") as fh:
+                yield from fh
+        for _, texts in read_ahead(job.part_files(), _answer_records):
+            yield from texts
+
+    for text in records():
+        size += len(text)
+        if size > limit_bytes:
+            return answers
+        found = read_record(text, tag)
+        if found is not None:
+            answers[found[0]] = found[1]
     return answers
 
 

@@ -4,9 +4,14 @@ Within a run the engine stage sends identical deterministic requests once (``ded
 memory of answers dies with the process. A job keeps them: the row whose request reached the
 engine carries an answer record (:data:`~llmbatch.rows.ANSWER`: the request's digest, the
 engine settings' tag and the engine's answer, as JSON text), committed with the row in its part.
-When the job resumes (or retries its error rows), the driver reads the records of its committed
-rows back (``JobDir.committed_answers``) and the engine stage copies those answers to identical
-requests instead of sending them again.
+The engine stage also appends each record, the moment the engine gives the answer, to the job's
+answer journal (``JobDir.journal_dir``, one file per replica, a line per answer), so the answers
+a kill catches between the engine and a commit (in a batch not yet finished, on their way to
+the driver, in the driver's buffer) are kept too; a line cut short by the kill is skipped. When
+the job resumes (or retries its error rows), the driver reads the records of its committed rows
+and its journal back (``committed_answers``) and the engine stage copies those answers to
+identical requests instead of sending them again: a kill costs the requests inside the engine.
+The journal goes when the job finishes (its answers are all in committed rows then).
 
 A record counts only under the settings it was made with: the driver tags a run's records with a
 digest of the job's model settings and reads back only records with the current tag, so a

@@ -25,6 +25,7 @@ import math
 import os
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -44,8 +45,22 @@ RESULT_CACHE_BYTES = 64 << 20
 
 #: A folder where each replica appends one byte per request it hands its engine, before it hands
 #: it (retries included), so the count survives a SIGKILL: the benchmarks' exact count of the
-#: requests that reached the engines across a kill and a resume (bench/industry_gpu.py).
+#: requests that reached the engines across a kill and a resume (bench/industry_gpu.py). Read
+#: in the driver's environment (replicas and warm engine hosts have their own).
 REQUEST_TALLY_ENV = "LLMBATCH_REQUEST_TALLY_DIR"
+
+
+def _append_file(folder: str, owner: object, create: bool) -> int | None:
+    """A file of its own in ``folder`` that ``owner`` appends to (closed when ``owner`` goes);
+    None where the folder is not there (``create``: make it)."""
+    if create:
+        os.makedirs(folder, exist_ok=True)
+    elif not os.path.isdir(folder):
+        return None
+    name = os.path.join(folder, f"{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    weakref.finalize(owner, os.close, fd)
+    return fd
 
 
 class EngineStage(Stage):
@@ -96,10 +111,17 @@ class EngineStage(Stage):
         #: requests inside the engine now, and answered so far (the replica's heartbeat)
         self.in_flight = 0
         self.done = 0
-        self._tally: int | None = None  # the REQUEST_TALLY_ENV file's descriptor, if asked
+        #: REQUEST_TALLY_ENV as the driver has it (None: not looked at; this process's then)
+        self.request_tally: str | None = None
+        self._tally: int | None = None  # its file's descriptor, if asked
+        #: the job's answer journal (a folder): each answer recorded is appended there the
+        #: moment it is made, so a killed job's resume copies it (stages/answers.py)
+        self.journal = ""
+        self._journal: int | None = None
 
     def prepare(self) -> None:
         """In the driver, when the processor runs: what the engine's replicas share."""
+        self.request_tally = os.environ.get(REQUEST_TALLY_ENV, "")
         self.engine.prepare()
 
     def begin(self) -> None:
@@ -134,18 +156,23 @@ class EngineStage(Stage):
         self._turns = Turns() if apart else None
         self._restart_lock = asyncio.Lock()
         self._known = load_known(self.known_answers)
-        if (folder := os.environ.get(REQUEST_TALLY_ENV)) and self._tally is None:
-            os.makedirs(folder, exist_ok=True)
-            name = os.path.join(folder, f"{self.replica.replace(':', '-')}-{uuid.uuid4().hex[:8]}")
-            self._tally = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        tally = os.environ.get(REQUEST_TALLY_ENV, "") if self.request_tally is None else self.request_tally
+        if tally and self._tally is None:
+            self._tally = _append_file(tally, self, create=True)
+        if self.journal and self.answer_tag and self._journal is None:
+            # a replica on another machine than the job's directory (a cluster without a shared
+            # file system) has no journal: its answers are kept as they are committed
+            self._journal = _append_file(self.journal, self, create=False)
         self._ready = True
         self.ready_at = time.time()
 
-    def seed(self, known_answers: Any, tag: str) -> None:
+    def seed(self, known_answers: Any, tag: str, journal: str = "") -> None:
         """A job's driver: copy these answers (by request digest) to identical requests, and
-        record the answers this run computes under ``tag`` (stages/answers.py)."""
+        record the answers this run computes under ``tag`` (stages/answers.py), appending each
+        to the ``journal`` folder as it is made."""
         self.known_answers = known_answers
         self.answer_tag = tag
+        self.journal = journal
 
     async def close(self) -> None:
         await self.engine.close()
@@ -276,7 +303,9 @@ class EngineStage(Stage):
                 if self.structured_output_errors == "warn":
                     result["structured_output_error"] = ""
         if self.answer_tag and not copied and isinstance(request.key, bytes):  # a digest (Serve's keys are text)
-            row[ANSWER] = answer_record(self.answer_tag, request.key, answer)
+            row[ANSWER] = record = answer_record(self.answer_tag, request.key, answer)
+            if record is not None and self._journal is not None:
+                os.write(self._journal, (record + "\n").encode())
         cached = result.pop("num_cached_tokens", None)
         row.update(result)
         row["batch_uuid"] = batch_uuid

@@ -250,9 +250,9 @@ class WarmEngineStage(Stage):
         self.local.prepare()
         self.key = warm_key(self.local, self.host_resources)
 
-    def seed(self, known_answers: Any, tag: str) -> None:
-        """The engine stage's (the host runs it): a job's answers from before."""
-        self.local.seed(known_answers, tag)
+    def seed(self, known_answers: Any, tag: str, journal: str = "") -> None:
+        """The engine stage's (the host runs it): a job's answers from before, its journal."""
+        self.local.seed(known_answers, tag, journal)
 
     def begin(self) -> None:
         self.process_start_at = process_start()
