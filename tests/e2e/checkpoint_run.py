@@ -34,8 +34,10 @@ def main() -> int:
     ctx.enable_progress_bars = False
     ctx.checkpoint_config = CheckpointConfig(id_column="id", checkpoint_path=args.checkpoint)
 
+    # stall bound 120 s: with both test workers loading the 2-core machine (load average 13 in one
+    # fresh-clone run) the replica's worker process once took over 60 s to start, before it beats
     config = HttpRequestProcessorConfig(url=args.url, model="fake-model", concurrency=1, batch_size=8,
-                                        max_concurrent_requests=4, stall_timeout_s=60, should_continue_on_error=True)
+                                        max_concurrent_requests=4, stall_timeout_s=120, should_continue_on_error=True)
     processor = build_processor(
         config,
         # a row whose name asks for it gets a 400 from the fake endpoint: an error row

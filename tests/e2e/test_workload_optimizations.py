@@ -139,7 +139,7 @@ def test_a_retried_row_copies_the_answer_its_job_already_committed(ray_cluster, 
     assert not any(r.get(ANSWER) for r in retried)
     answers = {r["id"]: r["generated_text"] for r in before + retried if not r["__inference_error__"]}
     assert all(answers[i] == answers[i % 5] for i in range(30))
-    assert "5 answers from committed rows" in (job_dir / "log.txt").read_text()
+    assert "5 answers the job has (committed rows, the answer journal)" in (job_dir / "log.txt").read_text()
 
 
 def test_rows_prepared_in_a_pool_of_their_own_keep_dedup_and_answers(ray_cluster, smollm2, tmp_path, monkeypatch):
