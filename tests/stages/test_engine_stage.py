@@ -231,6 +231,23 @@ def test_each_answer_goes_to_the_journal_as_it_is_made_and_copies_do_not(tmp_pat
     assert out and not (tmp_path / "elsewhere").exists()
 
 
+def test_the_journal_is_bounded_a_replica_keeps_its_current_file_and_the_one_before(tmp_path, monkeypatch):
+    from llmbatch.stages import engine as engine_module
+    from llmbatch.stages.answers import read_record
+
+    monkeypatch.setattr(engine_module, "JOURNAL_FILE_BYTES", 400)  # about two answers a file
+    journal = tmp_path / "answers"
+    journal.mkdir()
+    stage = EngineStage(DigestEngine())
+    stage.seed(None, "tag", str(journal))
+    run_stage(stage, [{"prompt": f"p{i}"} for i in range(12)])
+    files = list(journal.iterdir())
+    lines = [line for f in files for line in f.read_text().splitlines()]
+    assert 1 <= len(files) <= 2 and sum(f.stat().st_size for f in files) <= 2 * 400 + 300, files
+    kept = {v["generated_text"] for v in dict(read_record(line, "tag") for line in lines).values()}
+    assert len(kept) >= 2 and kept < {f"P{i}" for i in range(12)}  # the oldest files dropped
+
+
 def test_engine_that_keeps_dying_gives_error_rows_after_bounded_attempts():
     engine = FakeEngine(die_on={"p1"}, die_times=99)
     stage = EngineStage(engine, max_attempts=3)

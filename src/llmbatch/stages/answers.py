@@ -11,7 +11,10 @@ the driver, in the driver's buffer) are kept too; a line cut short by the kill i
 the job resumes (or retries its error rows), the driver reads the records of its committed rows
 and its journal back (``committed_answers``) and the engine stage copies those answers to
 identical requests instead of sending them again: a kill costs the requests inside the engine.
-The journal goes when the job finishes (its answers are all in committed rows then).
+The journal goes when the job finishes (its answers are all in committed rows then), and is
+bounded while it runs: a replica keeps its current file and the one before
+(``engine.JOURNAL_FILE_BYTES`` each), dropping the older as a third begins: those answers were
+committed long before.
 
 A record counts only under the settings it was made with: the driver tags a run's records with a
 digest of the job's model settings and reads back only records with the current tag, so a

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import math
 import os
@@ -50,17 +51,24 @@ RESULT_CACHE_BYTES = 64 << 20
 REQUEST_TALLY_ENV = "LLMBATCH_REQUEST_TALLY_DIR"
 
 
-def _append_file(folder: str, owner: object, create: bool) -> int | None:
-    """A file of its own in ``folder`` that ``owner`` appends to (closed when ``owner`` goes);
-    None where the folder is not there (``create``: make it)."""
-    if create:
-        os.makedirs(folder, exist_ok=True)
-    elif not os.path.isdir(folder):
-        return None
-    name = os.path.join(folder, f"{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    weakref.finalize(owner, os.close, fd)
-    return fd
+#: Bytes of one answer-journal file: a replica keeps its current file and the one before, and
+#: drops the older when a third begins (its answers were committed long before: a commit follows
+#: its answers by seconds), so a replica's journal holds at most twice this.
+JOURNAL_FILE_BYTES = 64 << 20
+
+
+class _AppendFile:
+    """A file of its own in ``folder`` that this process appends to (closed when dropped)."""
+
+    def __init__(self, folder: str):
+        self.path = os.path.join(folder, f"{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self.size = 0
+        self.close = weakref.finalize(self, os.close, self.fd)
+
+    def write(self, data: bytes) -> None:
+        os.write(self.fd, data)
+        self.size += len(data)
 
 
 class EngineStage(Stage):
@@ -113,11 +121,12 @@ class EngineStage(Stage):
         self.done = 0
         #: REQUEST_TALLY_ENV as the driver has it (None: not looked at; this process's then)
         self.request_tally: str | None = None
-        self._tally: int | None = None  # its file's descriptor, if asked
+        self._tally: _AppendFile | None = None  # its file, if asked
         #: the job's answer journal (a folder): each answer recorded is appended there the
         #: moment it is made, so a killed job's resume copies it (stages/answers.py)
         self.journal = ""
-        self._journal: int | None = None
+        self._journal: _AppendFile | None = None
+        self._journal_before = ""  # the journal file before the current one (dropped at the next)
 
     def prepare(self) -> None:
         """In the driver, when the processor runs: what the engine's replicas share."""
@@ -158,11 +167,12 @@ class EngineStage(Stage):
         self._known = load_known(self.known_answers)
         tally = os.environ.get(REQUEST_TALLY_ENV, "") if self.request_tally is None else self.request_tally
         if tally and self._tally is None:
-            self._tally = _append_file(tally, self, create=True)
-        if self.journal and self.answer_tag and self._journal is None:
-            # a replica on another machine than the job's directory (a cluster without a shared
-            # file system) has no journal: its answers are kept as they are committed
-            self._journal = _append_file(self.journal, self, create=False)
+            os.makedirs(tally, exist_ok=True)
+            self._tally = _AppendFile(tally)
+        # a replica on another machine than the job's directory (a cluster without a shared file
+        # system) has no journal: its answers are kept as they are committed
+        if self.journal and self.answer_tag and self._journal is None and os.path.isdir(self.journal):
+            self._journal = _AppendFile(self.journal)
         self._ready = True
         self.ready_at = time.time()
 
@@ -211,7 +221,7 @@ class EngineStage(Stage):
             self.first_request_at = time.time()
         self.in_flight += 1
         if self._tally is not None:
-            os.write(self._tally, b".")
+            self._tally.write(b".")
         try:
             return await self.engine.run(request)
         finally:
@@ -305,7 +315,7 @@ class EngineStage(Stage):
         if self.answer_tag and not copied and isinstance(request.key, bytes):  # a digest (Serve's keys are text)
             row[ANSWER] = record = answer_record(self.answer_tag, request.key, answer)
             if record is not None and self._journal is not None:
-                os.write(self._journal, (record + "\n").encode())
+                self._write_journal(record)
         cached = result.pop("num_cached_tokens", None)
         row.update(result)
         row["batch_uuid"] = batch_uuid
@@ -317,6 +327,18 @@ class EngineStage(Stage):
         for key in ("sampling_params", "pooling_params", "tokenized_prompt"):
             row.pop(key, None)
         return row
+
+    def _write_journal(self, record: str) -> None:
+        """Append ``record`` to the answer journal, a new file past :data:`JOURNAL_FILE_BYTES`."""
+        self._journal.write((record + "\n").encode())
+        if self._journal.size < JOURNAL_FILE_BYTES:
+            return
+        dropped, self._journal_before = self._journal_before, self._journal.path
+        self._journal.close()
+        self._journal = _AppendFile(self.journal)
+        if dropped:
+            with contextlib.suppress(OSError):
+                os.unlink(dropped)
 
     # -- a batch -----------------------------------------------------------------------------
 
