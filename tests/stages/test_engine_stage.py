@@ -77,6 +77,15 @@ def run_stage(stage, rows):
     return asyncio.run(go())
 
 
+def answer_all(stage, rows) -> list:
+    """Every row ``stage`` gives back for ``rows``, started first."""
+    async def go():
+        await stage.start()
+        return [row async for chunk in stage(rows) for row in chunk]
+
+    return asyncio.run(go())
+
+
 def test_rows_stream_out_before_a_slow_row_finishes():
     rows = [{"prompt": f"p{i}", "delay": 0.01} for i in range(8)] + [{"prompt": "slow", "delay": 1.0}]
     stage = EngineStage(FakeEngine(), flush_rows=4, flush_seconds=0.1)
@@ -90,15 +99,7 @@ def test_rows_stream_out_before_a_slow_row_finishes():
 def test_identical_requests_run_once_and_fan_out():
     engine = FakeEngine()
     rows = [{"prompt": "same"} for _ in range(5)] + [{"prompt": "other"}]
-    stage = EngineStage(engine)
-    out = []
-
-    async def go():
-        await stage.start()
-        async for chunk in stage(rows):
-            out.extend(chunk)
-
-    asyncio.run(go())
+    out = answer_all(EngineStage(engine), rows)
     assert engine.calls.count("same") == 1
     assert len(out) == 6 and all(r["generated_text"] == r["prompt"].upper() for r in out)
     assert sum(r[STATS]["deduped"] for r in out) == 4
@@ -154,15 +155,7 @@ def test_sorted_by_prompt_when_asked():
 def test_dead_engine_is_restarted_and_rows_retried():
     engine = FakeEngine(die_on={"p1"}, die_times=1)
     rows = [{"prompt": f"p{i}"} for i in range(4)]
-    out = []
-
-    async def go():
-        stage = EngineStage(engine)
-        await stage.start()
-        async for chunk in stage(rows):
-            out.extend(chunk)
-
-    asyncio.run(go())
+    out = answer_all(EngineStage(engine), rows)
     assert engine.starts == 2
     assert all(r[ERROR_COLUMN] == "" for r in out) and len(out) == 4
 
@@ -173,15 +166,7 @@ def test_the_request_tally_counts_every_request_handed_the_engine_retries_includ
     monkeypatch.setenv("LLMBATCH_REQUEST_TALLY_DIR", str(tmp_path / "tally"))
     engine = FakeEngine(die_on={"p1"}, die_times=1)
     rows = [{"prompt": f"p{i}"} for i in range(4)] + [{"prompt": "p0"}, {"prompt": "p2"}]
-    out = []
-
-    async def go():
-        stage = EngineStage(engine)
-        await stage.start()
-        async for chunk in stage(rows):
-            out.extend(chunk)
-
-    asyncio.run(go())
+    out = answer_all(EngineStage(engine), rows)
     files = list((tmp_path / "tally").iterdir())
     assert len(out) == 6 and len(engine.calls) == 5  # p0..p3 once each, p1 again after the engine died
     assert len(files) == 1 and files[0].stat().st_size == len(engine.calls), files
@@ -250,15 +235,7 @@ def test_the_journal_is_bounded_a_replica_keeps_its_current_file_and_the_one_bef
 
 def test_engine_that_keeps_dying_gives_error_rows_after_bounded_attempts():
     engine = FakeEngine(die_on={"p1"}, die_times=99)
-    stage = EngineStage(engine, max_attempts=3)
-    out = []
-
-    async def go():
-        await stage.start()
-        async for chunk in stage([{"prompt": "p0"}, {"prompt": "p1"}]):
-            out.extend(chunk)
-
-    asyncio.run(go())
+    out = answer_all(EngineStage(engine, max_attempts=3), [{"prompt": "p0"}, {"prompt": "p1"}])
     by = {r["prompt"]: r for r in out}
     assert by["p0"][ERROR_COLUMN] == ""
     assert by["p1"][ERROR_COLUMN].startswith("engine: EngineDiedError: the engine died 3 times")
@@ -290,15 +267,7 @@ def test_bad_rows_become_error_rows_or_raise():
 
 
 def test_missing_prompt_names_the_keys():
-    out = []
-
-    async def go():
-        stage = EngineStage(FakeEngine())
-        await stage.start()
-        async for chunk in stage([{"messages": []}]):
-            out.extend(chunk)
-
-    asyncio.run(go())
+    out = answer_all(EngineStage(FakeEngine()), [{"messages": []}])
     assert "needs 'tokenized_prompt or prompt'" in out[0][ERROR_COLUMN]
 
 
