@@ -128,20 +128,20 @@ async def _stop_idle_others(key: str, keep: int, room: float = 0.0) -> None:
     memory available, more of them until the memory they hold here makes up the difference."""
     import ray
 
+    missing = memory_shortfall(room) if room > 0 else 0  # the hosts' memory is read only then
     idle = []
     for name, other in _hosts().items():
         if other == key:
             continue
         try:
             handle = ray.get_actor(name, namespace=NAMESPACE)
-            state = await handle.state.remote(memory=room > 0)
+            state = await handle.state.remote(memory=missing > 0)
         except Exception:  # noqa: BLE001 - gone since it was listed
             continue
         if not state["leased"] and not state["stopping"]:
             idle.append((state, name, handle))
     idle.sort(key=lambda item: (-item[0].get("leases", 0), item[0]["idle_s"]))  # the most used first
     stop, kept = idle[keep:], idle[:keep]
-    missing = memory_shortfall(room) if room > 0 else 0
     if missing:
         here = ray.get_runtime_context().get_node_id()
 
