@@ -217,10 +217,10 @@ def test_each_answer_goes_to_the_journal_as_it_is_made_and_copies_do_not(tmp_pat
 
 
 def test_the_journal_is_bounded_a_replica_keeps_its_current_file_and_the_one_before(tmp_path, monkeypatch):
-    from llmbatch.stages import engine as engine_module
+    from llmbatch.stages import answers
     from llmbatch.stages.answers import read_record
 
-    monkeypatch.setattr(engine_module, "JOURNAL_FILE_BYTES", 400)  # about two answers a file
+    monkeypatch.setattr(answers, "JOURNAL_FILE_BYTES", 400)  # about two answers a file
     journal = tmp_path / "answers"
     journal.mkdir()
     stage = EngineStage(DigestEngine())

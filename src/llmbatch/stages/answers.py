@@ -13,7 +13,7 @@ and its journal back (``committed_answers``) and the engine stage copies those a
 identical requests instead of sending them again: a kill costs the requests inside the engine.
 The journal goes when the job finishes (its answers are all in committed rows then), and is
 bounded while it runs: a replica keeps its current file and the one before
-(``engine.JOURNAL_FILE_BYTES`` each), dropping the older as a third begins: those answers were
+(:data:`JOURNAL_FILE_BYTES` each), dropping the older as a third begins: those answers were
 committed long before.
 
 A record counts only under the settings it was made with: the driver tags a run's records with a
@@ -24,11 +24,20 @@ array) or larger than :data:`MAX_ANSWER_BYTES` are not recorded; they are recomp
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import uuid
+import weakref
 from typing import Any
 
 #: the largest answer a row records (bigger answers are recomputed on resume)
 MAX_ANSWER_BYTES = 64 << 10
+
+#: Bytes of one answer-journal file: a replica keeps its current file and the one before, and
+#: drops the older when a third begins (its answers were committed long before: a commit follows
+#: its answers by seconds), so a replica's journal holds at most twice this.
+JOURNAL_FILE_BYTES = 64 << 20
 
 
 def answer_record(tag: str, key: bytes, result: dict[str, Any]) -> str | None:
@@ -63,3 +72,38 @@ def load_known(source: Any) -> dict[bytes, dict[str, Any]]:
     import ray
 
     return ray.get(source)
+
+
+class AppendFile:
+    """A file of its own in ``folder`` that this process appends to (closed when dropped)."""
+
+    def __init__(self, folder: str):
+        self.path = os.path.join(folder, f"{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self.size = 0
+        self.close = weakref.finalize(self, os.close, self.fd)
+
+    def write(self, data: bytes) -> None:
+        os.write(self.fd, data)
+        self.size += len(data)
+
+
+class Journal:
+    """One replica's answer journal in ``folder``: a record a line, a new file past
+    :data:`JOURNAL_FILE_BYTES`, the one before the last dropped as it begins."""
+
+    def __init__(self, folder: str):
+        self.folder = folder
+        self.file = AppendFile(folder)
+        self.before = ""  # the file before the current one
+
+    def append(self, record: str) -> None:
+        self.file.write((record + "\n").encode())
+        if self.file.size < JOURNAL_FILE_BYTES:
+            return
+        dropped, self.before = self.before, self.file.path
+        self.file.close()
+        self.file = AppendFile(self.folder)
+        if dropped:
+            with contextlib.suppress(OSError):
+                os.unlink(dropped)

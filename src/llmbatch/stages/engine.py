@@ -20,20 +20,18 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import logging
 import math
 import os
 import time
 import uuid
-import weakref
 from collections.abc import AsyncIterator
 from typing import Any
 
 from llmbatch.engines.base import Engine, Request
 from llmbatch.errors import EngineDiedError, EngineStartError, StructuredOutputError
 from llmbatch.rows import ANSWER, ERROR_COLUMN, STATS, Row, is_error
-from llmbatch.stages.answers import answer_record, load_known
+from llmbatch.stages.answers import AppendFile, Journal, answer_record, load_known
 from llmbatch.stages.base import Stage, process_start
 from llmbatch.stages.check_output import check_structured
 from llmbatch.stages.turns import Turns
@@ -49,26 +47,6 @@ RESULT_CACHE_BYTES = 64 << 20
 #: requests that reached the engines across a kill and a resume (bench/industry_gpu.py). Read
 #: in the driver's environment (replicas and warm engine hosts have their own).
 REQUEST_TALLY_ENV = "LLMBATCH_REQUEST_TALLY_DIR"
-
-
-#: Bytes of one answer-journal file: a replica keeps its current file and the one before, and
-#: drops the older when a third begins (its answers were committed long before: a commit follows
-#: its answers by seconds), so a replica's journal holds at most twice this.
-JOURNAL_FILE_BYTES = 64 << 20
-
-
-class _AppendFile:
-    """A file of its own in ``folder`` that this process appends to (closed when dropped)."""
-
-    def __init__(self, folder: str):
-        self.path = os.path.join(folder, f"{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-        self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        self.size = 0
-        self.close = weakref.finalize(self, os.close, self.fd)
-
-    def write(self, data: bytes) -> None:
-        os.write(self.fd, data)
-        self.size += len(data)
 
 
 class EngineStage(Stage):
@@ -121,12 +99,11 @@ class EngineStage(Stage):
         self.done = 0
         #: REQUEST_TALLY_ENV as the driver has it (None: not looked at; this process's then)
         self.request_tally: str | None = None
-        self._tally: _AppendFile | None = None  # its file, if asked
+        self._tally: AppendFile | None = None  # its file, if asked
         #: the job's answer journal (a folder): each answer recorded is appended there the
         #: moment it is made, so a killed job's resume copies it (stages/answers.py)
         self.journal = ""
-        self._journal: _AppendFile | None = None
-        self._journal_before = ""  # the journal file before the current one (dropped at the next)
+        self._journal: Journal | None = None
 
     def prepare(self) -> None:
         """In the driver, when the processor runs: what the engine's replicas share."""
@@ -168,11 +145,11 @@ class EngineStage(Stage):
         tally = os.environ.get(REQUEST_TALLY_ENV, "") if self.request_tally is None else self.request_tally
         if tally and self._tally is None:
             os.makedirs(tally, exist_ok=True)
-            self._tally = _AppendFile(tally)
+            self._tally = AppendFile(tally)
         # a replica on another machine than the job's directory (a cluster without a shared file
         # system) has no journal: its answers are kept as they are committed
         if self.journal and self.answer_tag and self._journal is None and os.path.isdir(self.journal):
-            self._journal = _AppendFile(self.journal)
+            self._journal = Journal(self.journal)
         self._ready = True
         self.ready_at = time.time()
 
@@ -315,7 +292,7 @@ class EngineStage(Stage):
         if self.answer_tag and not copied and isinstance(request.key, bytes):  # a digest (Serve's keys are text)
             row[ANSWER] = record = answer_record(self.answer_tag, request.key, answer)
             if record is not None and self._journal is not None:
-                self._write_journal(record)
+                self._journal.append(record)
         cached = result.pop("num_cached_tokens", None)
         row.update(result)
         row["batch_uuid"] = batch_uuid
@@ -327,18 +304,6 @@ class EngineStage(Stage):
         for key in ("sampling_params", "pooling_params", "tokenized_prompt"):
             row.pop(key, None)
         return row
-
-    def _write_journal(self, record: str) -> None:
-        """Append ``record`` to the answer journal, a new file past :data:`JOURNAL_FILE_BYTES`."""
-        self._journal.write((record + "\n").encode())
-        if self._journal.size < JOURNAL_FILE_BYTES:
-            return
-        dropped, self._journal_before = self._journal_before, self._journal.path
-        self._journal.close()
-        self._journal = _AppendFile(self.journal)
-        if dropped:
-            with contextlib.suppress(OSError):
-                os.unlink(dropped)
 
     # -- a batch -----------------------------------------------------------------------------
 
