@@ -67,7 +67,7 @@ def count_starts(folder: Path, phases, file_seconds: dict[str, float]) -> dict[s
             where = _file_at(phases, ledger.stem, entry["t0"])
             row = table[where]
             kind = entry["kind"]
-            if entry.get("phase") == "begin":
+            if entry.get("phase") == "begin" or kind == "warm-host-stop":
                 detail.append({"worker": ledger.stem, "file": where, **entry})
             # a start counts by the line of its beginning (a killed one too), its seconds by the
             # line of its end
@@ -79,6 +79,9 @@ def count_starts(folder: Path, phases, file_seconds: dict[str, float]) -> dict[s
                 row["ray"] += 1
             elif begins and kind == "cli":
                 row["cli"] += 1
+            elif kind == "warm-host-stop" and entry.get("engine"):  # a warm engine stopped (and why)
+                row["stops"] += 1
+                table["(warm engines stopped)"][entry.get("why", "?")] += 1
     if folder.name.startswith(OWN_PREFIX):  # ours: a folder named by the one who ran pytest stays
         shutil.rmtree(folder, ignore_errors=True)
     else:  # every start with its test file, to see which starts a file could share
@@ -87,6 +90,7 @@ def count_starts(folder: Path, phases, file_seconds: dict[str, float]) -> dict[s
 
 
 def format_counts(table: dict[str, dict[str, float]]) -> list[str]:
+    stopped = dict(table.pop("(warm engines stopped)", {}))
     rows = sorted(table.items(), key=lambda kv: (-kv[1].get("engines", 0), -kv[1].get("seconds", 0)))
     lines = [f"{'file':52} {'seconds':>8} {'engines':>7} {'engine s':>8} {'ray':>4} {'cli':>4}"]
     totals: dict[str, float] = defaultdict(float)
@@ -101,4 +105,7 @@ def format_counts(table: dict[str, dict[str, float]]) -> list[str]:
                  f"{int(totals['ray']):4d} {int(totals['cli']):4d}")
     lines.append(f"engine cold starts: {int(totals['engines'])} ({totals['engine_s']:.0f} s starting), "
                  f"Ray clusters started: {int(totals['ray'])}, CLI processes: {int(totals['cli'])}")
+    if stopped:  # a warm engine stopped before the suite ended: its settings' next run starts one again
+        lines.append(f"warm engines stopped: {sum(stopped.values()):.0f} ("
+                     + ", ".join(f"{why}: {n:.0f}" for why, n in sorted(stopped.items())) + ")")
     return lines

@@ -123,3 +123,25 @@ def test_in_a_ray_actor_the_engine_process_comes_from_the_warm_fork_server(ray_c
     assert seen["engine_before_front_end"] == [True, True]
     assert "the tokenizer could not be read" in seen["first_start"]
     assert seen["engines_left_after_it"] == 0
+
+
+def test_a_warm_engine_serves_runs_that_ask_for_its_defaults_and_more_replicas_where_they_do_not_size_it(monkeypatch):
+    from llmbatch.engines.vllm import VLLMEngine
+    from llmbatch.engines.vllm_setup import KV_BYTES_ENV
+
+    def key(gpu=False, concurrency=1, task="generate", detokenize=False, **kwargs):
+        settings = VLLMSettings("m", kwargs, task_type=task, concurrency=concurrency, detokenize_stage=detokenize)
+        return VLLMEngine(settings).warm_key(gpu=gpu)
+
+    monkeypatch.delenv(KV_BYTES_ENV, raising=False)
+    # a CPU: enforce_eager is llmbatch's default there; the replicas size the default KV cache
+    assert key(max_model_len=512) == key(max_model_len=512, enforce_eager=True) != key(max_model_len=512, enforce_eager=False)
+    assert key(max_model_len=512) != key(max_model_len=512, concurrency=2)
+    assert key(kv_cache_memory_bytes=1 << 28) == key(kv_cache_memory_bytes=1 << 28, concurrency=2)
+    monkeypatch.setenv(KV_BYTES_ENV, str(1 << 28))  # the KV cache fixed for every engine of the machine
+    assert key() == key(kv_cache_memory_bytes=1 << 28) == key(concurrency=2) != key(kv_cache_memory_bytes=1 << 29)
+    # a GPU: no CPU defaults, and the replicas never change an engine's arguments
+    assert key(gpu=True) == key(gpu=True, concurrency=4) != key(gpu=True, enforce_eager=True)
+    assert key(gpu=True) != key()
+    # the detokenize stage changes the engine's front-end for generation only
+    assert key(detokenize=True) != key() and key(task="embed", detokenize=True) == key(task="embed")

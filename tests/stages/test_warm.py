@@ -29,7 +29,7 @@ class FakeEngine(Engine):
         self.capacity = 4
         self.starts = 0
 
-    def warm_key(self) -> str:
+    def warm_key(self, gpu: bool = False) -> str:
         return f"fake:{self.name}:{self.fail_start}"
 
     async def start(self):

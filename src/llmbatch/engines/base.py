@@ -52,9 +52,10 @@ class Engine:
         """In the replica as it starts, before any stage's start: launch what :meth:`start`
         will use without waiting for it (vLLM: its engine process's fork server)."""
 
-    def warm_key(self) -> str:
+    def warm_key(self, gpu: bool = False) -> str:
         """What makes two of these engines interchangeable (a warm engine host serves every run
-        whose engine has the same key: :mod:`llmbatch.stages.warm`)."""
+        whose engine has the same key: :mod:`llmbatch.stages.warm`); ``gpu``: the host holds a
+        GPU (else it runs on a CPU)."""
         raise NotImplementedError(f"{type(self).__name__} cannot be kept warm: it has no warm_key")
 
     async def start(self) -> None:

@@ -7,19 +7,22 @@ fit: eager mode and a KV cache sized from free memory, unless ``engine_kwargs`` 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import dataclasses
+import itertools
 import json
 import logging
+import os
 import re
 import time
 from typing import Any
 
+from llmbatch import startlog
+from llmbatch.engines import vllm_procs
 from llmbatch.engines.base import Engine, Request
 from llmbatch.engines.logs import EngineLog
-from llmbatch.engines.settings import VLLMSettings, max_model_len
 from llmbatch.engines.lora import Adapters, base_rows_apart
 from llmbatch.engines.pooling import as_floats, classification, cosine, pooling_params
+from llmbatch.engines.settings import VLLMSettings, max_model_len
 from llmbatch.engines.vllm_params import (
     completion_row,
     logprobs_rows,
@@ -27,9 +30,15 @@ from llmbatch.engines.vllm_params import (
     request_digest,
     sampling_params,
 )
-from llmbatch import startlog
-from llmbatch.engines import vllm_procs
-from llmbatch.engines.vllm_setup import engine_arguments, engine_env, import_vllm, on_cpu, one_line, ray_stat_logger
+from llmbatch.engines.vllm_setup import (
+    KV_BYTES_ENV,
+    engine_arguments,
+    engine_env,
+    import_vllm,
+    on_cpu,
+    one_line,
+    ray_stat_logger,
+)
 from llmbatch.errors import EngineStartError, RowValidationError, suggestion
 from llmbatch.models import (
     id2label,
@@ -71,10 +80,26 @@ class VLLMEngine(Engine):
         #: whether vLLM's engine process comes from a warm fork server (engines/vllm_procs.py)
         self._fork_server: bool | None = None
 
-    def warm_key(self) -> str:
+    def warm_key(self, gpu: bool = False) -> str:
         """What makes two of these engines interchangeable (a warm engine host serves every run
-        whose engine has the same key: :mod:`llmbatch.stages.warm`)."""
-        return json.dumps(["vllm", dataclasses.asdict(self.settings)], sort_keys=True, default=str)
+        whose engine has the same key: :mod:`llmbatch.stages.warm`): the settings with the
+        defaults llmbatch gives the engine where it runs (``engine_arguments``: ``enforce_eager``
+        on a CPU, a CPU's KV cache from ``LLMBATCH_CPU_KV_CACHE_BYTES``), so an engine that asks
+        for a default is the one that leaves it; the replicas only where they size it (a CPU's
+        KV cache left to its default share of the memory), the detokenize stage only for generation."""
+        settings = dataclasses.asdict(self.settings)
+        kwargs = dict(self.settings.engine_kwargs)
+        if not gpu:
+            kwargs.setdefault("enforce_eager", True)
+            fixed = os.environ.get(KV_BYTES_ENV, "").strip()
+            if "gpu_memory_utilization" not in kwargs and fixed.isdigit():
+                kwargs.setdefault("kv_cache_memory_bytes", int(fixed))
+        if gpu or "gpu_memory_utilization" in kwargs or "kv_cache_memory_bytes" in kwargs:
+            settings.pop("concurrency")
+        if not self.detokenize_after:  # it changes the engine's front-end for generation only
+            settings["detokenize_stage"] = False
+        settings["engine_kwargs"] = kwargs
+        return json.dumps(["vllm", settings], sort_keys=True, default=str)
 
     # -- lifecycle ---------------------------------------------------------------------------
 

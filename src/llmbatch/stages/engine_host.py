@@ -16,6 +16,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from llmbatch import startlog
 from llmbatch.rows import Row
 from llmbatch.stages.base import Stage
 from llmbatch.stages.engine import EngineStage
@@ -218,12 +219,16 @@ class EngineHost:
         """Stop the engine and this host, unless it is leased; returns whether it stops."""
         if self.token is not None and await self._lessee_alive():
             return False
-        await self._close()
+        await self._close("made room for another host")
         return True
 
-    async def _close(self) -> None:
+    async def _close(self, why: str) -> None:
         if self._closing and self.engine is None:
             return
+        # the start ledger (LLMBATCH_START_LOG) says why a warm engine went: the next start of
+        # these settings is what it costs
+        startlog.record("warm-host-stop", time.time(), 0.0, why=why, key=self.key, leases=self.leases,
+                        idle_s=round(time.time() - self.idle_since, 1), engine=self.engine is not None)
         self._closing = True
         self._release()
         engine, self.engine = self.engine, None
@@ -259,12 +264,12 @@ class EngineHost:
             if self._starting is not None and not self._starting.done():
                 continue
             if time.time() - self.idle_since > self.keep_warm_s:
-                await self._close()
+                await self._close("idle for keep_warm_s")
             elif short_of_memory(LOW_MEMORY_FRACTION):
                 short_since = short_since or time.monotonic()
                 if stops_for_memory(time.monotonic() - short_since, self.leases):
                     logger.info("warm engine host stops: its machine is short of memory")
-                    await self._close()
+                    await self._close("its machine short of memory")
             else:
                 short_since = None
 

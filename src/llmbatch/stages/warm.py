@@ -5,7 +5,9 @@ engine process, the weights, the KV cache). A notebook that runs a processor aga
 standing cluster that runs job after job, a test suite: each run paid it again. With
 ``keep_warm_s`` (a field of :class:`~llmbatch.config.vLLMEngineProcessorConfig`, default
 ``LLMBATCH_KEEP_WARM_S``) the engine lives in an *engine host*: a detached Ray actor named
-after the engine's settings. A run's replica leases a host, sends it the rows of its engine
+after the engine's settings (``Engine.warm_key``: vLLM's with the defaults llmbatch gives it
+where it runs filled in, so a run that asks for a default shares the engine of one that does
+not). A run's replica leases a host, sends it the rows of its engine
 stage and gives it back when the run ends; the host keeps its engine loaded for ``keep_warm_s``
 idle seconds, and the next run with the same settings on the same Ray cluster leases it
 instead of starting an engine.
@@ -106,7 +108,7 @@ def warm_key(stage: EngineStage, host_resources: dict[str, Any]) -> str:
     runs, and llmbatch's version."""
     from llmbatch import __version__
 
-    text = repr((stage.engine.warm_key(), sorted((k, repr(v)) for k, v in host_resources.items()), __version__))
+    text = repr((stage.engine.warm_key(gpu=bool(host_resources.get("num_gpus"))), sorted((k, repr(v)) for k, v in host_resources.items()), __version__))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

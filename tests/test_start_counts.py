@@ -1,0 +1,30 @@
+"""The suite's start counts (tests/start_counts.py) from a ledger written by llmbatch.startlog."""
+
+from __future__ import annotations
+
+import json
+
+from start_counts import count_starts, format_counts
+
+
+def test_starts_are_counted_per_file_and_warm_engines_stopped_are_named_with_why(tmp_path):
+    folder = tmp_path / "kept"  # a folder the caller named: it stays, with the detail file
+    folder.mkdir()
+    lines = [{"kind": "vllm-engine", "t0": 10, "pid": 1, "phase": "begin"},
+             {"kind": "vllm-engine", "t0": 10, "pid": 1, "seconds": 20.0, "ok": True},
+             {"kind": "warm-host-stop", "t0": 40, "pid": 1, "seconds": 0.0, "why": "its machine short of memory",
+              "engine": True},
+             {"kind": "warm-host-stop", "t0": 41, "pid": 1, "seconds": 0.0, "why": "made room for another host",
+              "engine": False},  # a host whose engine never started: nothing lost
+             {"kind": "vllm-engine", "t0": 50, "pid": 2, "phase": "begin"},
+             {"kind": "cli", "t0": 60, "pid": 3, "phase": "begin"}]
+    (folder / "gw0.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    phases = [("gw0", "tests/a.py", 0, 45), ("gw0", "tests/b.py", 45, 70)]
+    table = count_starts(folder, phases, {"tests/a.py": 45.0, "tests/b.py": 25.0})
+    assert table["tests/a.py"]["engines"] == 1 and table["tests/a.py"]["engine_s"] == 20.0
+    assert table["tests/a.py"]["stops"] == 1 and table["tests/b.py"]["engines"] == 1 and table["tests/b.py"]["cli"] == 1
+    text = "\n".join(format_counts(table))
+    assert "engine cold starts: 2 (20 s starting), Ray clusters started: 0, CLI processes: 1" in text, text
+    assert "warm engines stopped: 1 (its machine short of memory: 1)" in text, text
+    detail = json.loads((folder / "starts-by-file.json").read_text())
+    assert [d["kind"] for d in detail] == ["vllm-engine", "warm-host-stop", "warm-host-stop", "vllm-engine", "cli"]
