@@ -191,7 +191,9 @@ def test_a_host_whose_lessee_died_is_handed_to_the_next_run():
 
     @ray.remote(num_cpus=0)
     class Lessee:
-        def lease(self):
+        def lease(self, namespace: str):
+            warm.NAMESPACE = namespace  # this test's hosts (this process's module is not patched)
+
             async def go():
                 stage = _stage()
                 self.host, self.token = await warm.lease([stage], _key(stage), 60.0, {})
@@ -199,12 +201,47 @@ def test_a_host_whose_lessee_died_is_handed_to_the_next_run():
             return True
 
     holder = Lessee.remote()
-    assert ray.get(holder.lease.remote())
+    assert ray.get(holder.lease.remote(warm.NAMESPACE))
     ray.kill(holder)  # a killed driver's replica: it never gives the host back
     start = time.monotonic()
     out = _run(_answer())
     assert len(out) == 3 and len(warm._hosts()) == 1, "the dead lessee's host, not a new one"
     assert time.monotonic() - start < engine_host.HANDOVER_WAIT_S + 20
+
+
+def test_the_batch_of_a_lessee_that_died_is_cancelled_and_the_host_freed_without_a_next_run():
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class Lessee:
+        def run(self, namespace: str):
+            warm.NAMESPACE = namespace  # this test's hosts (this process's module is not patched)
+
+            async def go():
+                stage = warm.WarmEngineStage(_stage(delay_s=120.0), 60.0)
+                stage.prepare()
+                stage.begin()
+                await stage.start()
+                async for _ in stage([{"prompt": "slow"}]):
+                    pass
+            asyncio.run(go())
+
+    def leased() -> bool:
+        names = list(warm._hosts())
+        return bool(names) and ray.get(ray.get_actor(names[0], namespace=warm.NAMESPACE).state.remote())["leased"]
+
+    holder = Lessee.remote()
+    holder.run.remote(warm.NAMESPACE)  # its batch runs in the host for 120 s
+    deadline = time.monotonic() + 60
+    while not leased() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert leased(), "the lessee's batch never reached a host"
+    ray.kill(holder)  # a killed driver's replica, its batch still in the host's engine
+    killed = time.monotonic()
+    while leased() and time.monotonic() - killed < 40:
+        time.sleep(0.5)
+    assert not leased(), "the host kept running the batch of a lessee that died"
+    assert time.monotonic() - killed < 5 * engine_host.WATCH_EVERY_S + 20
 
 
 def test_a_lessee_that_idles_loses_its_host_to_the_next_run_and_leases_again():

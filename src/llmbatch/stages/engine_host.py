@@ -255,8 +255,9 @@ class EngineHost:
             if self.token is not None:
                 short_since = None
                 # a lessee that died without giving the host back (a killed driver): look now
-                # and then, when no batch of its is running here
-                if not self._tasks and time.monotonic() - checked > 5 * WATCH_EVERY_S:
+                # and then, a batch of its running here or not (the batch of a dead lessee is
+                # cancelled: its requests leave the engine, no one would read its answers)
+                if time.monotonic() - checked > 5 * WATCH_EVERY_S:
                     checked = time.monotonic()
                     if not await self._lessee_alive():
                         self._release()

@@ -19,7 +19,8 @@ instead of starting an engine.
   its input and shapes its output.
 - One lease at a time per host. A host whose lessee died (a killed driver, a replica Ray took
   away) or has sent it no batch for :data:`TAKEOVER_IDLE_S` (the last run's replica, which Ray
-  Data ends a moment after its last batch) is handed to the next run; a run that finds every
+  Data ends a moment after its last batch) is handed to the next run (a dead lessee's batch,
+  still in the engine, is cancelled: the host looks at its lessee every ten seconds); a run that finds every
   matching host busy starts one more. A replica whose host was handed away while it idled
   leases another for its next batch.
 - A host whose engine dies restarts it (the engine stage's own restart); a host that dies is
