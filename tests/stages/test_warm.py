@@ -186,22 +186,41 @@ def test_an_idle_host_stops_after_keep_warm_s():
     assert not warm._hosts(), "the host should stop once idle for keep_warm_s"
 
 
-def test_a_host_whose_lessee_died_is_handed_to_the_next_run():
+def _lessee():
+    """A replica that a driver's kill will end, as an actor, leasing in this test's Ray namespace
+    of hosts (its process's module is not patched: the namespace is set there)."""
     import ray
 
     @ray.remote(num_cpus=0)
     class Lessee:
-        def lease(self, namespace: str):
-            warm.NAMESPACE = namespace  # this test's hosts (this process's module is not patched)
+        def __init__(self, namespace: str):
+            warm.NAMESPACE = namespace
 
+        def lease(self) -> bool:  # a host, and no batch sent to it
             async def go():
                 stage = _stage()
                 self.host, self.token = await warm.lease([stage], _key(stage), 60.0, {})
             asyncio.run(go())
             return True
 
-    holder = Lessee.remote()
-    assert ray.get(holder.lease.remote(warm.NAMESPACE))
+        def run(self) -> None:  # a batch that runs in its host for 120 s
+            async def go():
+                stage = warm.WarmEngineStage(_stage(delay_s=120.0), 60.0)
+                stage.prepare()
+                stage.begin()
+                await stage.start()
+                async for _ in stage([{"prompt": "slow"}]):
+                    pass
+            asyncio.run(go())
+
+    return Lessee.remote(warm.NAMESPACE)
+
+
+def test_a_host_whose_lessee_died_is_handed_to_the_next_run():
+    import ray
+
+    holder = _lessee()
+    assert ray.get(holder.lease.remote())
     ray.kill(holder)  # a killed driver's replica: it never gives the host back
     start = time.monotonic()
     out = _run(_answer())
@@ -212,26 +231,12 @@ def test_a_host_whose_lessee_died_is_handed_to_the_next_run():
 def test_the_batch_of_a_lessee_that_died_is_cancelled_and_the_host_freed_without_a_next_run():
     import ray
 
-    @ray.remote(num_cpus=0)
-    class Lessee:
-        def run(self, namespace: str):
-            warm.NAMESPACE = namespace  # this test's hosts (this process's module is not patched)
-
-            async def go():
-                stage = warm.WarmEngineStage(_stage(delay_s=120.0), 60.0)
-                stage.prepare()
-                stage.begin()
-                await stage.start()
-                async for _ in stage([{"prompt": "slow"}]):
-                    pass
-            asyncio.run(go())
-
     def leased() -> bool:
         names = list(warm._hosts())
         return bool(names) and ray.get(ray.get_actor(names[0], namespace=warm.NAMESPACE).state.remote())["leased"]
 
-    holder = Lessee.remote()
-    holder.run.remote(warm.NAMESPACE)  # its batch runs in the host for 120 s
+    holder = _lessee()
+    holder.run.remote()  # its batch runs in the host for 120 s
     deadline = time.monotonic() + 60
     while not leased() and time.monotonic() < deadline:
         time.sleep(0.2)
