@@ -5,7 +5,8 @@ with and without override_num_blocks, then limit, repartition, filter, map, map_
 random_shuffle, union, then the processor, then materialize, take_all, iter_batches,
 iter_rows, write_parquet, show, and Ray Data checkpoints) on the real engine, in a Ray with
 that many CPUs (the 1-CPU run's own; the 2-CPU run joins the test worker's Ray, which has 2).
-The two runs go side by side; each shape must give every row once. The shapes of a run share
+The two runs go one after the other (side by side, with the other test worker's file, they
+made a third Ray cluster and engines beyond what two cores carry); each shape must give every row once. The shapes of a run share
 one warm engine (each shape's replica is an actor of its plan and leases the engine host), so
 a shape costs seconds, not an engine start; each runs once: on 2 CPUs the shapes whose work Ray spreads over both (several read blocks with parallel
 writes, a shuffle, a union, the checkpoint filter's actor beside the engine), on 1 CPU, where
@@ -55,28 +56,20 @@ def shapes_on(cpus: int) -> list[str]:
 
 @pytest.fixture(scope="module")
 def results(ray_cluster, smollm2, tmp_path_factory):
-    procs = {}
-    # the two runs' engines compute on different cores where this test has two (vLLM on CPU
-    # binds its compute threads to the first core by itself); tests/conftest.py may have
-    # given this worker its own core already
-    cores = sorted(os.sched_getaffinity(0))
-    for i, cpus in enumerate((2, 1)):
+    found = {}
+    for cpus in (2, 1):  # one after the other: each run starts an engine, the 1-CPU run a Ray too
         work = tmp_path_factory.mktemp(f"shapes{cpus}")
         out = work / "result.json"
         # the 2-CPU run joins the test worker's own Ray where it has 2 CPUs (one Ray less to start,
-        # and the worker's warm engine if it has one); the 1-CPU run starts a Ray of 1 CPU
+        # and the worker's warm engine if it has one); the 1-CPU run starts a Ray of 1 CPU. Both
+        # engines compute on the worker's cores (tests/conftest.py's VLLM_CPU_OMP_THREADS_BIND)
         env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS" or cpus == 2}
-        if "VLLM_CPU_OMP_THREADS_BIND" not in env and len(cores) >= 2:
-            env["VLLM_CPU_OMP_THREADS_BIND"] = str(cores[i % len(cores)])
         cmd = [sys.executable, str(HERE / "plan_shapes.py"), "--cpus", str(cpus), "--out", str(out),
                "--work", str(work), "--stall-timeout", str(STALL_S), "--join", "--only", *shapes_on(cpus)]
         if CANNOT_RUN.get(cpus):
             cmd += ["--expect-stall", *CANNOT_RUN[cpus]]
-        procs[cpus] = (subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env), out)
-    found = {}
-    for cpus, (proc, out) in procs.items():
-        log, _ = proc.communicate(timeout=1800)
-        assert proc.returncode == 0, log[-4000:]
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, timeout=1800)
+        assert proc.returncode == 0, proc.stdout[-4000:]
         found[cpus] = json.loads(out.read_text())
     return found
 

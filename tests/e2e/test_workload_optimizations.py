@@ -44,27 +44,28 @@ def run_job(tmp_path, name: str, dedup: bool, sort: bool) -> dict:
 
 def test_dedup_and_ordering_never_change_answers(ray_cluster, smollm2, tmp_path):
     rng = random.Random(3)
-    base = [f"Name a color that rhymes with {w}." for w in ["bed", "blue", "yellow", "pink", "red", "green"]]
+    base = [f"Name a color that rhymes with {w}." for w in ["bed", "blue", "yellow", "pink"]]
     preamble = "This preamble is shared by every customer question in the file, word for word. " * 4
-    base += [f"{preamble}Question {i}: what is {i} plus {i}?" for i in range(10)]
-    rows = [{"id": i, "question": rng.choice(base)} for i in range(64)]  # heavy repetition, shared prefixes
+    base += [f"{preamble}Question {i}: what is {i} plus {i}?" for i in range(6)]
+    # heavy repetition (10 questions in 32 rows; the off run sends all 32, one at a time), shared prefixes
+    rows = [{"id": i, "question": rng.choice(base)} for i in range(32)]
     with open(tmp_path / "in.jsonl", "w") as fh:
         for r in rows:
             fh.write(json.dumps(r) + "\n")
     on = run_job(tmp_path, "on", dedup=True, sort=True)
     off = run_job(tmp_path, "off", dedup=False, sort=False)
-    assert sorted(on["answers"]) == sorted(off["answers"]) == list(range(64))
+    assert sorted(on["answers"]) == sorted(off["answers"]) == list(range(32))
     assert on["answers"] == off["answers"]
     by_question: dict[str, set] = {}
     for r in rows:
         by_question.setdefault(r["question"], set()).add(on["answers"][r["id"]])
     assert all(len(v) == 1 for v in by_question.values())  # identical requests, identical answers
-    assert on["stats"]["dedup_ratio"] >= 0.5 and on["stats"]["deduplicated_rows"] >= 32
+    assert on["stats"]["dedup_ratio"] >= 0.5 and on["stats"]["deduplicated_rows"] >= 16
     # the driver folded the identical rows (jobs/fold.py): one request per distinct question
     distinct = len({r["question"] for r in rows})
     assert on["stats"]["rows_ok"] - on["stats"]["deduplicated_rows"] == distinct
     log = (tmp_path / "on.parquet.job" / "log.txt").read_text()
-    assert f"{distinct} of 64 rows go to the engine" in log, log[-2000:]
+    assert f"{distinct} of 32 rows go to the engine" in log, log[-2000:]
     assert "go to the engine" not in (tmp_path / "off.parquet.job" / "log.txt").read_text()
     assert off["stats"]["dedup_ratio"] == 0.0
     for run in (on, off):
