@@ -36,21 +36,34 @@ PINNED = {"max_model_len": 2048, "max_num_seqs": 1024, "max_num_batched_tokens":
 
 
 class GpuSampler:
-    """``nvidia-smi`` every ``step`` seconds on a thread: [seconds since start, util %, MiB]."""
+    """``nvidia-smi`` every ``step`` seconds on a thread: [seconds since start, mean util % of the
+    GPUs this run may use (``CUDA_VISIBLE_DEVICES``, else all), their MiB together, each one's util %]."""
 
     def __init__(self, step: float = 0.5):
         self.step, self.points, self._stop = step, [], threading.Event()
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+        self.visible = {int(i) for i in visible.split(",") if i.strip().isdigit()} if visible else None
         self.t0 = time.time()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
+    def sample(self, text: str) -> list | None:
+        """One sample from ``nvidia-smi --query-gpu=index,utilization.gpu,memory.used`` output."""
+        gpus = [[int(v) for v in line.split(",")] for line in text.strip().splitlines() if line.strip()]
+        gpus = [g for g in gpus if self.visible is None or g[0] in self.visible]
+        if not gpus:
+            return None
+        utils = [g[1] for g in gpus]
+        return [round(time.time() - self.t0, 1), round(sum(utils) / len(utils)), sum(g[2] for g in gpus), utils]
+
     def _run(self) -> None:
         while not self._stop.wait(self.step):
             try:
-                out = subprocess.run(["nvidia-smi", "--query-gpu=utilization.gpu,memory.used",
+                out = subprocess.run(["nvidia-smi", "--query-gpu=index,utilization.gpu,memory.used",
                                       "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=5)
-                util, mem = out.stdout.strip().splitlines()[0].split(",")
-                self.points.append([round(time.time() - self.t0, 1), int(util), int(mem)])
+                point = self.sample(out.stdout)
+                if point:
+                    self.points.append(point)
             except Exception:  # noqa: BLE001 - a missing sample, not a failed run
                 pass
 
@@ -114,8 +127,36 @@ def run_llmbatch(args) -> dict:
     result.update(rows_ok=stats["rows_ok"], rows_error=stats["rows_error"], ids_once=len(ids) == len(set(ids)) == args.rows,
                   requests_to_engine=stats["rows_ok"] - stats["deduplicated_rows"], requests_sent=sent_requests(tally),
                   generated_tokens=stats["generated_tokens"], phases_s=stats["phases_s"], in_flight=timeline,
+                  engines=per_engine(job_dir), cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
                   gpu_busy_rows_phase=busy_share(points, rows_start), output=str(folder / "out.parquet"))
     return result
+
+
+def per_engine(job_dir: Path) -> dict:
+    """{replica: {devices, requests, generated_tokens}} from the committed rows the engines
+    answered (a group's copies left out): which GPU each replica ran on and what it generated."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    out: dict = {}
+    for part in sorted(glob.glob(str(job_dir / "parts" / "*.parquet"))):
+        names_in = set(pq.read_schema(part).names)
+        table = pq.read_table(part, columns=[c for c in ("__llmbatch_stats", "num_generated_tokens") if c in names_in])
+        if "__llmbatch_stats" not in names_in:
+            continue
+        stats = table.column("__llmbatch_stats")
+        if stats.null_count == len(stats) or not hasattr(stats.type, "get_field_index"):
+            continue
+        sent = pc.invert(pc.fill_null(pc.struct_field(stats, "deduped"), True))
+        names = pc.struct_field(stats, "replica").filter(sent).to_pylist()
+        devices = pc.struct_field(stats, "devices").filter(sent).to_pylist()
+        tokens = (pc.fill_null(table.column("num_generated_tokens"), 0).filter(sent).to_pylist()
+                  if "num_generated_tokens" in names_in else [0] * len(names))
+        for name, dev, n in zip(names, devices, tokens):
+            e = out.setdefault(str(name), {"devices": dev, "requests": 0, "generated_tokens": 0})
+            e["requests"] += 1
+            e["generated_tokens"] += int(n)
+    return out
 
 
 def sent_requests(tally: Path) -> int:
