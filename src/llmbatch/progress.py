@@ -68,6 +68,7 @@ class Progress:
         self.label = label
         self.started = time.time()
         self.first_row_at: float | None = None
+        self.last_row_at: float | None = None  # the last answered rows' arrival
         #: moments of the run (``ray_ready``...) that stats.json turns into start-up phases
         self.marks: dict[str, float] = {}
         self.ok = 0
@@ -121,9 +122,11 @@ class Progress:
     # -- counting ----------------------------------------------------------------------------
 
     def arrived(self) -> None:
-        """Note that rows have started to come back (steady-state throughput starts here)."""
+        """Note that rows came back (the first: steady-state throughput starts here; the last:
+        what the driver did after it, committing, is the end of the rows phase)."""
+        self.last_row_at = time.time()
         if self.first_row_at is None:
-            self.first_row_at = time.time()
+            self.first_row_at = self.last_row_at
 
     def add(self, ok: int, errors: int, in_tokens: int, generated_tokens: int, delivered_tokens: int = 0,
             cached_tokens: int = 0, deduped: int = 0, error_types: dict[str, int] | None = None,

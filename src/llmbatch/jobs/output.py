@@ -271,7 +271,9 @@ def startup_phases(run_info: dict[str, Any], totals: Tally) -> dict[str, float |
     starting Ray, Ray Data's plan and the replicas until one began to start its engine, that
     engine's start (model load, compile, KV cache), the first answer after it, the rows until the
     last one committed, and writing the output. ``to_first_row`` and ``total`` count from the
-    process start: what a user waits for."""
+    process start: what a user waits for. ``after_last_row`` is the end of the rows phase after
+    the last answered rows reached the driver (its last commits: the followers of folded rows
+    still to build, the parts), part of ``rows``."""
     marks = run_info.get("marks") or {}
     now = time.time()
     began = [t for t in totals.start_at if t >= run_info["started_at"]]
@@ -292,5 +294,8 @@ def startup_phases(run_info: dict[str, Any], totals: Tally) -> dict[str, float |
     phases["ingest"] = round(marks["ingest_s"], 2) if marks.get("ingest_s") is not None else None
     first, origin = marks.get("first_row"), marks.get("process_start")
     phases["to_first_row"] = round(first - origin, 2) if first and origin else None
+    last = marks.get("last_row")
+    phases["after_last_row"] = (round(run_info["ended_at"] - last, 2)
+                                if last and run_info.get("ended_at") and run_info["ended_at"] >= last else None)
     phases["total"] = round(now - origin, 2) if origin else None
     return phases

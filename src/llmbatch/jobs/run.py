@@ -238,7 +238,8 @@ def _run_locked(job: Job, *, retry_errors: bool, report: bool, quiet: bool, tty:
         run_info = {"mode": mode, "started_at": started, "ended_at": time.time(), "state": state_name,
                     **snap["this_run"],
                     "marks": {"process_start": process_start_time(), "entered": entered, "ingest_s": ingest_s,
-                              "first_row": progress.first_row_at, **progress.marks}}
+                              "first_row": progress.first_row_at,
+                              "last_row": progress.last_row_at, **progress.marks}}
         meta.runs.append(run_info)
         job_dir.write_meta(meta)
     if state_name != "finished":
