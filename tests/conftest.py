@@ -35,6 +35,11 @@ os.environ.setdefault("LLMBATCH_KEEP_WARM_S", "1800")
 # (llmbatch's default is three); memory still rules (stages/warm.py: none stays where the machine
 # has less than 35% of its memory available)
 os.environ.setdefault("LLMBATCH_WARM_IDLE_OTHERS", "6")
+# a new warm host starts once a quarter of the memory is available (llmbatch's default, 35%, is
+# 8.4 GB on this 24 GB machine: each worker could only stop its own cluster's hosts to make it,
+# so the other worker's engines made it stop its most used one, then start it again; the suite's
+# engines are a couple of GB each, and idle hosts still stop below 20% available)
+os.environ.setdefault("LLMBATCH_WARM_ROOM_FRACTION", "0.25")
 
 REPO = Path(__file__).resolve().parents[1]
 

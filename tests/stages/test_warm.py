@@ -13,7 +13,7 @@ import time
 import pytest
 
 from llmbatch.engines.base import Engine, Request
-from llmbatch.errors import EngineStartError
+from llmbatch.errors import ConfigError, EngineStartError
 from llmbatch.rows import STATS
 from llmbatch.stages.engine import EngineStage
 from llmbatch.stages import engine_host, warm
@@ -161,12 +161,23 @@ def test_where_memory_is_short_the_least_used_idle_hosts_stop_until_their_memory
     for name in "aaab":
         _run(_answer(name))
     assert len(set(warm._hosts().values())) == 2
-    monkeypatch.setattr(warm, "memory_shortfall", lambda fraction: 1 if fraction == warm.ROOM_FRACTION else 0)
+    monkeypatch.setattr(warm, "memory_shortfall", lambda fraction: 1 if fraction == warm.room_fraction() else 0)
     _run(_answer("z"))
     assert _wait_hosts(2) == {_key(_stage("a")), _key(_stage("z"))}
-    monkeypatch.setattr(warm, "memory_shortfall", lambda fraction: 1 << 50 if fraction == warm.ROOM_FRACTION else 0)
+    monkeypatch.setattr(warm, "memory_shortfall", lambda fraction: 1 << 50 if fraction == warm.room_fraction() else 0)
     _run(_answer("y"))
     assert _wait_hosts(1) == {_key(_stage("y"))}
+
+
+def test_the_room_a_new_host_wants_is_llmbatchs_share_or_the_one_set(monkeypatch):
+    monkeypatch.delenv(warm.ROOM_ENV, raising=False)
+    assert warm.room_fraction() == warm.ROOM_FRACTION
+    monkeypatch.setenv(warm.ROOM_ENV, "0.2")
+    assert warm.room_fraction() == 0.2
+    for bad in ("most", "1.5", "-0.1"):
+        monkeypatch.setenv(warm.ROOM_ENV, bad)
+        with pytest.raises(ConfigError, match=warm.ROOM_ENV):
+            warm.room_fraction()
 
 
 def test_an_idle_host_short_of_memory_waits_longer_the_more_leases_it_served():

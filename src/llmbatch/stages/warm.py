@@ -28,7 +28,7 @@ instead of starting an engine.
 - Before a new host starts, idle hosts of other settings stop, the least used first (the
   fewest leases served, then the longest idle): on a GPU all of them (a host holds its device);
   on a CPU all but :data:`IDLE_OTHERS_CPU`, and where the machine has less than
-  :data:`ROOM_FRACTION` of its memory available, more of them, until the memory they hold
+  :data:`ROOM_FRACTION` (``LLMBATCH_WARM_ROOM_FRACTION``) of its memory available, more of them, until the memory they hold
   makes up what is missing. The engine that most runs use stays loaded while one-off settings
   come and go. An idle host also stops by itself when its machine runs short of memory
   (:data:`~llmbatch.stages.engine_host.LOW_MEMORY_FRACTION`), the least used first: warm engines
@@ -72,8 +72,10 @@ LEASE_ATTEMPTS = 3
 IDLE_OTHERS_CPU = 3
 IDLE_OTHERS_ENV = "LLMBATCH_WARM_IDLE_OTHERS"
 #: Where less than this share of the machine's memory is available, a new host starts only after
-#: idle hosts of other settings that hold what is missing have stopped.
+#: idle hosts of other settings that hold what is missing have stopped (``LLMBATCH_WARM_ROOM_FRACTION``
+#: sets another share: a machine that runs small engines side by side needs less room per start).
 ROOM_FRACTION = 0.35
+ROOM_ENV = "LLMBATCH_WARM_ROOM_FRACTION"
 #: The row key that tells a replica which of its rows came back from the host.
 _INDEX = f"{PRIVATE_PREFIX}warm_i"
 
@@ -86,6 +88,20 @@ def idle_others_cpu() -> int:
         return max(0, int(raw)) if raw else IDLE_OTHERS_CPU
     except ValueError:
         raise ConfigError(f"{IDLE_OTHERS_ENV}={raw!r} is not a whole number; set it to e.g. 3, or unset it") from None
+
+
+def room_fraction() -> float:
+    """The share of the machine's memory a new host wants available: ``LLMBATCH_WARM_ROOM_FRACTION``,
+    else :data:`ROOM_FRACTION`."""
+    raw = os.environ.get(ROOM_ENV, "").strip()
+    try:
+        value = float(raw) if raw else ROOM_FRACTION
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value < 1.0:
+        raise ConfigError(f"{ROOM_ENV}={raw!r} is not a share of memory between 0 and 1; set it to e.g. 0.25, "
+                          "or unset it")
+    return value
 
 
 def keep_warm_default() -> float:
@@ -186,7 +202,7 @@ async def lease(chain: list[Stage], key: str, keep_warm_s: float,
             if host_resources.get("num_gpus"):
                 await _stop_idle_others(key, 0)
             else:
-                await _stop_idle_others(key, idle_others_cpu(), room=ROOM_FRACTION)
+                await _stop_idle_others(key, idle_others_cpu(), room=room_fraction())
             taken = set(_hosts())
             name = next(f"{PREFIX}:{key}:{n}" for n in range(len(taken) + 1) if f"{PREFIX}:{key}:{n}" not in taken)
             options = {"name": name, "namespace": NAMESPACE, "lifetime": "detached", "get_if_exists": True,
