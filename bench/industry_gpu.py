@@ -141,9 +141,9 @@ def per_engine(job_dir: Path) -> dict:
     out: dict = {}
     for part in sorted(glob.glob(str(job_dir / "parts" / "*.parquet"))):
         names_in = set(pq.read_schema(part).names)
-        table = pq.read_table(part, columns=[c for c in ("__llmbatch_stats", "num_generated_tokens") if c in names_in])
         if "__llmbatch_stats" not in names_in:
             continue
+        table = pq.read_table(part, columns=[c for c in ("__llmbatch_stats", "num_generated_tokens") if c in names_in])
         stats = table.column("__llmbatch_stats")
         if stats.null_count == len(stats) or not hasattr(stats.type, "get_field_index"):
             continue

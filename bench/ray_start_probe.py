@@ -1,7 +1,7 @@
 """Where Ray's start goes on a machine (issue 29: 6.7-8.9 s on the 16-core GPU machine, 2.5 s on
-the 2-core CPU). Each variant is a fresh process: ``import ray``, then ``ray.init`` as llmbatch
-calls it (cluster.ensure_ray: no dashboard), then with fewer CPUs, then without GPU detection's
-extra work; wall of each step, and the raylet's own log lines of the start.
+the 2-core CPU). Each variant is a fresh process that times ``import ray``, ``ray.init`` as
+llmbatch calls it (cluster.ensure_ray: no dashboard), a first task and the shutdown: with all the
+machine's CPUs (twice, first and last), with ``num_cpus=4``, and without Ray's worker prestart.
 
     python bench/ray_start_probe.py [--out FILE]
 """
@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
+import time
 
 CHILD = r"""
 import json, logging, os, sys, time
@@ -45,14 +47,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="")
     args = ap.parse_args()
-    import os
-
     results = {}
     for name, (kw, env) in VARIANTS.items():
-        t0 = __import__("time").time()
+        t0 = time.time()
         proc = subprocess.run([sys.executable, "-c", CHILD, json.dumps(kw)], capture_output=True, text=True,
                               env={**os.environ, **env}, timeout=120)
-        wall = round(__import__("time").time() - t0, 2)
+        wall = round(time.time() - t0, 2)
         try:
             results[name] = {**json.loads(proc.stdout.strip().splitlines()[-1]), "process_wall_s": wall}
         except Exception:  # noqa: BLE001 - a failed variant is reported, not fatal
