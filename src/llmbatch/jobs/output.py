@@ -295,7 +295,6 @@ def startup_phases(run_info: dict[str, Any], totals: Tally) -> dict[str, float |
     first, origin = marks.get("first_row"), marks.get("process_start")
     phases["to_first_row"] = round(first - origin, 2) if first and origin else None
     last = marks.get("last_row")
-    phases["after_last_row"] = (round(run_info["ended_at"] - last, 2)
-                                if last and run_info.get("ended_at") and run_info["ended_at"] >= last else None)
+    phases["after_last_row"] = round(run_info["ended_at"] - last, 2) if last and run_info["ended_at"] >= last else None
     phases["total"] = round(now - origin, 2) if origin else None
     return phases
