@@ -127,6 +127,7 @@ def stream(job, fold: Fold, rows: int, rate: float, commit_rows: int, batch: int
             committer.add(encoded)  # the driver's work on a batch: decoding it included
             busy.append(time.time() - t)
         committer.flush()
+    committer.close()
     # when each representative was committed: the parts' modification times, by row id
     committed = np.full(rows, np.nan)
     for path in job.dir.part_files():

@@ -69,11 +69,17 @@ def test_industry_example(ray_cluster, smollm2, sample_csv, tmp_path):
     choices = yaml.safe_load((EXAMPLES / "industry.yaml").read_text())["prompt"]["choices"]
     assert all(v in choices for v in table.column("industry").to_pylist())
     # where the CLI process's time went, phase by phase, each one measured
-    phases = json.loads((tmp_path / "industries.parquet.job" / "stats.json").read_text())["phases_s"]
+    stats = json.loads((tmp_path / "industries.parquet.job" / "stats.json").read_text())
+    phases = stats["phases_s"]
     steps = ["process", "prepare_job", "ray_start", "replica_placement", "engine_start", "first_answer", "rows", "output"]
     assert all(phases[k] is not None and phases[k] >= 0 for k in steps + ["ingest", "to_first_row", "total"]), phases
     assert phases["engine_start"] > 0.5 and phases["process"] > 0.1, phases  # a model load, Python's imports
     assert abs(sum(phases[k] for k in steps) - phases["total"]) < 0.5, phases
+    # the driver's share of the rows phase: idle between answers, busy with them, writing parts
+    driver = stats["driver_s"]
+    assert set(driver) == {"waiting", "answers", "parts"} and all(v >= 0 for v in driver.values()), driver
+    assert driver["answers"] > 0 and driver["parts"] > 0 and driver["answers"] + driver["waiting"] < phases["rows"] + 1, \
+        (driver, phases)
 
 
 def test_welcome_notes_example(ray_cluster, smollm2, sample_csv, tmp_path):

@@ -34,6 +34,7 @@ def test_repeats_are_dropped_and_parts_commit_by_size(tmp_path):
     c.add(answered([0, 1, 2]))
     assert job.part_files() == []                  # under commit_rows: buffered
     c.add(answered([2, 3, 3]))                     # a retried task brings 2 again, and 3 twice
+    c.wait_written()                               # (parts are written on the committer's writer thread)
     assert len(job.part_files()) == 1 and c.duplicates == 2
     c.add(answered([4, 5], error_ids={5}, deduped_ids={4}))
     c.flush()
@@ -52,7 +53,35 @@ def test_parts_commit_by_time(tmp_path):
     c.add(answered([0]))
     time.sleep(0.1)
     c.add(answered([1]))
+    c.wait_written()
     assert len(job.part_files()) == 1 and job.state().counts()["done"] == 2
+
+
+def test_a_part_that_cannot_be_written_stops_the_stream_and_is_not_counted(tmp_path):
+    job = job_with(tmp_path, 8)
+    progress = Progress(8, tty=False, quiet=True)
+    c = Committer(job, np.zeros(8, dtype=bool), progress, commit_rows=2, commit_seconds=3600)
+    written = job.commit_parts
+
+    def full_disk(tables):
+        if any(ROW_ID in t.column_names and 2 in t.column(ROW_ID).to_pylist() for t in tables):
+            raise OSError(28, "No space left on device")
+        return written(tables)
+
+    job.commit_parts = full_disk
+    c.add(answered([0, 1]))
+    c.wait_written()
+    assert len(job.part_files()) == 1 and progress.snapshot()["this_run"]["ok"] == 2
+    c.add(answered([2, 3]))                        # handed to the writer, whose write fails
+    try:
+        c.flush()
+    except OSError as exc:
+        assert exc.errno == 28
+    else:
+        raise AssertionError("a part that could not be written went unnoticed")
+    c.close()
+    assert len(job.part_files()) == 1, "nothing of the failed part is on disk"
+    assert progress.snapshot()["this_run"]["ok"] == 2, "rows whose part failed were counted as committed"
 
 
 def test_answer_records_are_tagged_with_the_model_settings_not_placement(tmp_path):

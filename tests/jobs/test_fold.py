@@ -248,6 +248,7 @@ def test_followers_are_built_a_slice_at_a_time_behind_the_answers_and_all_at_the
     with committer._lock:
         committer._flush()  # a timed commit: the answers, file 0's followers and one more slice
     assert sorted(fold.ready) == [2]
+    committer.wait_written()
     first = pq.read_table(job.part_files()[0]).column(ROW_ID).to_pylist()
     assert first[:5] == [0, 1, 3, 6, 7] and sorted(first[5:]) == [2, 4, 5, 8, 9], first
     committer.flush()  # the end of the stream: everything

@@ -53,10 +53,11 @@ def write_parquet_synced(table: pa.Table, path: str | os.PathLike) -> None:
         os.fsync(fh.fileno())
 
 
-def atomic_write_parquet(table: pa.Table, path: str | os.PathLike, replace: bool = True) -> None:
+def atomic_write_parquet(table: pa.Table, path: str | os.PathLike, replace: bool = True, sync_dir: bool = True) -> None:
     """Write ``path`` whole or not at all. ``replace=False`` publishes without replacing: a
     file already at ``path`` raises FileExistsError and stays as it was (a hard link is the
-    no-replace rename; where the filesystem has no links, the check and the rename are two steps)."""
+    no-replace rename; where the filesystem has no links, the check and the rename are two steps).
+    ``sync_dir=False`` leaves the folder's fsync to the caller (one for several files)."""
     path = Path(path)
     tmp = temporary_name(path)
     write_parquet_synced(table, tmp)
@@ -64,7 +65,8 @@ def atomic_write_parquet(table: pa.Table, path: str | os.PathLike, replace: bool
         os.replace(tmp, path)
     else:
         publish_new(tmp, path)
-    fsync_dir(path.parent)
+    if sync_dir:
+        fsync_dir(path.parent)
 
 
 def publish_new(tmp: Path, path: Path) -> None:

@@ -11,7 +11,9 @@ import contextlib
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -38,6 +40,10 @@ logger = logging.getLogger(__name__)
 #: Follow-up passes for rows lost in flight (a replica killed mid-batch) before they are
 #: recorded as error rows.
 MAX_PASSES = 3
+#: Commits handed to the part writer that may be in its hands at once: the stream decodes and
+#: folds the next answers while the disk takes the last parts (a part's write and its fsyncs
+#: release the GIL), and no more than this many flushes wait in memory.
+WRITE_AHEAD = 2
 
 
 def build_job_processor(job: Job) -> Processor:
@@ -88,13 +94,21 @@ class Committer:
         # columns of free-form JSON (an endpoint's whole answer) are kept as JSON text
         self.json_columns: set[str] = {"messages", "http_response", "completions"}
         self._lock = threading.Lock()  # the stream's thread adds, the timer's commits
+        # parts are written on a thread of their own, in order (see WRITE_AHEAD)
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmbatch-parts")
+        self._writes: deque[Future] = deque()
+        #: seconds the stream's thread spent on answers (decoding, folding, handing parts over) and
+        #: the writer on parts (stats.json ``driver_s``: is the driver what the rows wait for?)
+        self.busy = {"answers": 0.0, "parts": 0.0}
 
     def add(self, encoded: pa.Table) -> None:
         if encoded.num_rows == 0:
             return
+        began = time.perf_counter()
         table = rows_to_table(decode_rows(encoded), self.json_columns)
         with self._lock:
             self._add(table)
+        self.busy["answers"] += time.perf_counter() - began
 
     def _add(self, table: pa.Table) -> None:
         self.progress.arrived()
@@ -127,9 +141,34 @@ class Committer:
 
     def flush(self) -> None:
         """Commit everything: what waits and every follower whose answer is here (the end of
-        the stream)."""
+        the stream); returns once every part is written."""
         with self._lock:
             self._flush(final=True)
+            self._settle(0)
+
+    def wait_written(self) -> None:
+        """Wait until every part handed to the writer is on disk (a write that failed raises)."""
+        with self._lock:
+            self._settle(0)
+
+    def close(self) -> None:
+        """Wait for the parts in the writer's hands and end its thread."""
+        try:
+            self.wait_written()
+        finally:
+            self._writer.shutdown(wait=True)
+
+    def _settle(self, ahead: int) -> None:
+        """Wait until at most ``ahead`` commits are in the writer's hands; a commit that failed
+        raises here (so the stream stops at the first part that could not be written)."""
+        while self._writes and (len(self._writes) > ahead or self._writes[0].done()):
+            self._writes.popleft().result()
+
+    def _write(self, parts: list[pa.Table], table: pa.Table) -> None:
+        began = time.perf_counter()
+        self.job.commit_parts(parts)
+        self.progress.add(**Tally.of(table).progress_counts())
+        self.busy["parts"] += time.perf_counter() - began
 
     def flush_due(self) -> None:
         """Commit what waits once ``commit_seconds`` have passed, also when no batch arrives:
@@ -179,12 +218,12 @@ class Committer:
             table = pa.concat_tables([conform(t, schema) for t in self.buffer])
         # a part holds commit_rows rows at most, however many came at once (a block of several
         # batches leaves together)
-        for start in range(0, table.num_rows, self.commit_rows):
-            self.job.commit(table.slice(start, self.commit_rows))
+        parts = [table.slice(start, self.commit_rows) for start in range(0, table.num_rows, self.commit_rows)]
+        self._writes.append(self._writer.submit(self._write, parts, table))
         self.buffer = []
         self.buffered = 0
         self.last_commit = time.monotonic()
-        self.progress.add(**Tally.of(table).progress_counts())
+        self._settle(WRITE_AHEAD)
 
 
 def todo_dataset(job: Job, todo: np.ndarray):
@@ -229,12 +268,22 @@ def _run_pass(job: Job, todo: np.ndarray, done: np.ndarray, progress: Progress) 
     out = processor(todo_dataset(job, todo if fold is None else fold.send))
     progress.watch_replicas(processor.run_id)  # the start-up phase, from the replicas' heartbeats
     committer = Committer(job.dir, done, progress, job.spec.commit_rows, job.spec.commit_seconds, fold)
+    waited, since = 0.0, None  # the stream's idle time between answers (after the first)
     try:
         with committer.timer():
             for table in out.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=1):
+                if since is not None:
+                    waited += time.perf_counter() - since
                 committer.add(table)
+                since = time.perf_counter()
     finally:
-        committer.flush()
+        try:
+            committer.flush()
+        finally:
+            committer.close()
+            spent = progress.marks.setdefault("driver_s", {"waiting": 0.0, "answers": 0.0, "parts": 0.0})
+            for name, seconds in (("waiting", waited), *committer.busy.items()):
+                spent[name] = round(spent[name] + seconds, 2)
         if committer.duplicates:
             job.log(f"dropped {committer.duplicates} repeated rows (retried tasks)")
 

@@ -256,6 +256,9 @@ def build_stats(job: JobDir, meta: JobMeta, counts: dict[str, int], totals: Tall
         "steady_rows_per_s": rate(this_rows, steady),
         "steady_generated_tokens_per_s": rate(run_info.get("generated_tokens", 0), steady),
         "phases_s": startup_phases(run_info, totals),
+        # the driver's rows phase: idle between answers, busy with them, writing parts (a thread
+        # of its own); where answers+parts near the rows phase, the driver is what rows wait for
+        "driver_s": (run_info.get("marks") or {}).get("driver_s"),
         # this run's first request handed to an engine (epoch seconds): where the engines' window starts
         "first_request_at": min((t for t in totals.first_request_at if t >= run_info["started_at"]), default=None),
         "runs": meta.runs,

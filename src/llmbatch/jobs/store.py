@@ -39,7 +39,7 @@ import pyarrow.parquet as pq
 
 from llmbatch.codec import has_text
 from llmbatch.errors import JobError
-from llmbatch.io.files import atomic_write_json, atomic_write_parquet
+from llmbatch.io.files import atomic_write_json, atomic_write_parquet, fsync_dir
 from llmbatch.io.readers import open_input
 from llmbatch.jobs.lock import lock_is_held, open_no_follow, take_lock
 from llmbatch.jobs.meta import FORMAT_VERSION, JobMeta
@@ -226,22 +226,34 @@ class JobDir:
 
     def commit(self, table: pa.Table) -> Path:
         """Write one part atomically; returns its path."""
+        return self.commit_parts([table])[0]
+
+    def commit_parts(self, tables: list[pa.Table]) -> list[Path]:
+        """Write parts atomically, in order, the folder fsynced once after the last (each part
+        is whole or absent either way; a crash before that fsync may keep only the first ones,
+        which a resume counts as it finds them); returns their paths."""
         self.parts_dir.mkdir(parents=True, exist_ok=True)
         if self._next_part is None:
             files = self.part_files()
             self._next_part = self.part_index(files[-1]) + 1 if files else 0
-        # the index is taken before the write: a Ctrl-C (KeyboardInterrupt) that lands after the
-        # part is in place but before the count moved on would make the stop's own last commit
-        # find its name taken (a gap in the numbers is harmless: parts are ordered, not counted)
-        path = self.parts_dir / f"part-{self._next_part:06d}.parquet"
-        self._next_part += 1
-        try:
-            atomic_write_parquet(table, path, replace=False)
-        except FileExistsError:
-            raise JobError(f"{path} was committed by another driver while this one held the job's lock (does "
-                           "this filesystem honour flock? NFS and some FUSE mounts do not); nothing was "
-                           "replaced: stop the other driver and resume") from None
-        return path
+        paths = []
+        for table in tables:
+            # the index is taken before the write: a Ctrl-C (KeyboardInterrupt) that lands after
+            # the part is in place but before the count moved on would make the stop's own last
+            # commit find its name taken (a gap in the numbers is harmless: parts are ordered, not
+            # counted)
+            path = self.parts_dir / f"part-{self._next_part:06d}.parquet"
+            self._next_part += 1
+            try:
+                atomic_write_parquet(table, path, replace=False, sync_dir=False)
+            except FileExistsError:
+                raise JobError(f"{path} was committed by another driver while this one held the job's lock (does "
+                               "this filesystem honour flock? NFS and some FUSE mounts do not); nothing was "
+                               "replaced: stop the other driver and resume") from None
+            paths.append(path)
+        if paths:
+            fsync_dir(self.parts_dir)
+        return paths
 
     def state(self, rows: int | None = None) -> State:
         """Scan the parts (ids and error flags only) into a :class:`State`."""
