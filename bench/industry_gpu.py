@@ -126,7 +126,8 @@ def run_llmbatch(args) -> dict:
     result["distinct_prompts"] = len(set(companies.column(0).slice(0, args.rows).to_pylist()))
     result.update(rows_ok=stats["rows_ok"], rows_error=stats["rows_error"], ids_once=len(ids) == len(set(ids)) == args.rows,
                   requests_to_engine=stats["rows_ok"] - stats["deduplicated_rows"], requests_sent=sent_requests(tally),
-                  generated_tokens=stats["generated_tokens"], phases_s=stats["phases_s"], in_flight=timeline,
+                  generated_tokens=stats["generated_tokens"], phases_s=stats["phases_s"], driver_s=stats.get("driver_s"),
+                  in_flight=timeline,
                   engines=per_engine(job_dir), cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
                   gpu_busy_rows_phase=busy_share(points, rows_start), output=str(folder / "out.parquet"))
     return result

@@ -214,17 +214,35 @@ class Fold:
                 self.answers.chunks[c] = None
 
     def _build(self, f: int, ids: np.ndarray) -> list[pa.Table]:
-        """Followers ``ids`` of input file ``f``: their own input columns, their group's answer."""
+        """Followers ``ids`` of input file ``f``: their own input columns, their group's answer
+        (one table for the followers whose answers came in chunks of one column order: a take
+        per chunk of the answers, one of the inputs)."""
         source = self._input(f)
         positions = np.searchsorted(source.column(ROW_ID).to_numpy(), ids)
-        source = source.take(pa.array(positions))
         groups = self.group_of[ids]
         chunks = self.answers.chunk_of[groups]
+        order = np.argsort(chunks, kind="stable")  # the followers, grouped by their answers' chunk
+        firsts = np.flatnonzero(np.r_[True, chunks[order][1:] != chunks[order][:-1]]) if len(order) else order
+        by_order: dict[tuple[str, ...], tuple[list[np.ndarray], list[pa.Table]]] = {}
+        for a, b in zip(firsts.tolist(), [*firsts[1:].tolist(), len(order)]):
+            pick = order[a:b]
+            c = int(chunks[pick[0]])
+            picks, answers = by_order.setdefault(tuple(self.answers.orders[c]), ([], []))
+            picks.append(pick)
+            answers.append(self.answers.chunks[c].take(pa.array(self.answers.row_of[groups[pick]])))
         tables = []
-        for c in np.unique(chunks):
-            pick = np.flatnonzero(chunks == c)
-            answers = self.answers.chunks[c].take(pa.array(self.answers.row_of[groups[pick]]))
-            tables.append(_follower_table(source.take(pa.array(pick)), answers, self.answers.orders[c], self.own))
+        for column_order, (picks, answers) in by_order.items():
+            try:
+                joined = [pa.concat_tables(answers, promote_options="permissive")]
+            except (pa.ArrowInvalid, pa.ArrowTypeError):  # answers of other types: a table per chunk
+                joined = answers
+            start = 0
+            pick = np.concatenate(picks)
+            for part in joined:
+                rows = pick[start:start + part.num_rows]
+                start += part.num_rows
+                tables.append(_follower_table(source.take(pa.array(positions[rows])), part, list(column_order),
+                                              self.own))
         return tables
 
 
