@@ -233,15 +233,11 @@ class Fold:
         tables = []
         for column_order, (picks, answers) in by_order.items():
             try:
-                joined = [pa.concat_tables(answers, promote_options="permissive")]
+                pairs = [(np.concatenate(picks), pa.concat_tables(answers, promote_options="permissive"))]
             except (pa.ArrowInvalid, pa.ArrowTypeError):  # answers of other types: a table per chunk
-                joined = answers
-            start = 0
-            pick = np.concatenate(picks)
-            for part in joined:
-                rows = pick[start:start + part.num_rows]
-                start += part.num_rows
-                tables.append(_follower_table(source.take(pa.array(positions[rows])), part, list(column_order),
+                pairs = list(zip(picks, answers))
+            for pick, part in pairs:
+                tables.append(_follower_table(source.take(pa.array(positions[pick])), part, list(column_order),
                                               self.own))
         return tables
 
