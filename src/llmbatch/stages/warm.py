@@ -80,38 +80,40 @@ ROOM_ENV = "LLMBATCH_WARM_ROOM_FRACTION"
 _INDEX = f"{PRIVATE_PREFIX}warm_i"
 
 
+def _env_number(name: str, default: Any, parse: Any, what: str, example: str) -> Any:
+    """The environment variable ``name`` read by ``parse`` (which raises ValueError for a value
+    that is not ``what``), else ``default``; a bad value fails naming the variable."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        return parse(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not {what}; set it to e.g. {example}, or unset it") from None
+
+
 def idle_others_cpu() -> int:
     """How many idle hosts of other settings a CPU cluster keeps: ``LLMBATCH_WARM_IDLE_OTHERS``,
     else :data:`IDLE_OTHERS_CPU` (memory still rules: below :data:`ROOM_FRACTION` fewer stay)."""
-    raw = os.environ.get(IDLE_OTHERS_ENV, "").strip()
-    try:
-        return max(0, int(raw)) if raw else IDLE_OTHERS_CPU
-    except ValueError:
-        raise ConfigError(f"{IDLE_OTHERS_ENV}={raw!r} is not a whole number; set it to e.g. 3, or unset it") from None
+    return _env_number(IDLE_OTHERS_ENV, IDLE_OTHERS_CPU, lambda raw: max(0, int(raw)), "a whole number", "3")
+
+
+def _share(raw: str) -> float:
+    value = float(raw)
+    if not 0.0 <= value < 1.0:
+        raise ValueError(raw)
+    return value
 
 
 def room_fraction() -> float:
     """The share of the machine's memory a new host wants available: ``LLMBATCH_WARM_ROOM_FRACTION``,
     else :data:`ROOM_FRACTION`."""
-    raw = os.environ.get(ROOM_ENV, "").strip()
-    try:
-        value = float(raw) if raw else ROOM_FRACTION
-    except ValueError:
-        value = -1.0
-    if not 0.0 <= value < 1.0:
-        raise ConfigError(f"{ROOM_ENV}={raw!r} is not a share of memory between 0 and 1; set it to e.g. 0.25, "
-                          "or unset it")
-    return value
+    return _env_number(ROOM_ENV, ROOM_FRACTION, _share, "a share of memory between 0 and 1", "0.25")
 
 
 def keep_warm_default() -> float:
     """``LLMBATCH_KEEP_WARM_S`` as seconds (0 where unset)."""
-    raw = os.environ.get(KEEP_WARM_ENV, "").strip()
-    try:
-        return max(0.0, float(raw)) if raw else 0.0
-    except ValueError:
-        raise ConfigError(f"{KEEP_WARM_ENV}={raw!r} is not a number of seconds; set it to e.g. 600, "
-                          "or unset it") from None
+    return _env_number(KEEP_WARM_ENV, 0.0, lambda raw: max(0.0, float(raw)), "a number of seconds", "600")
 
 
 def _host_class():
