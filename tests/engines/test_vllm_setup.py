@@ -145,3 +145,16 @@ def test_a_warm_engine_serves_runs_that_ask_for_its_defaults_and_more_replicas_w
     assert key(gpu=True) != key()
     # the detokenize stage changes the engine's front-end for generation only
     assert key(detokenize=True) != key() and key(task="embed", detokenize=True) == key(task="embed")
+
+
+def test_a_warm_engine_serves_runs_whose_media_policy_differs():
+    """Which media rows may name (allowed_local_media_path, allowed_media_domains) is the run's
+    own prepare-multimodal stage's, shipped with each lease: the engine gets decoded media only."""
+    from llmbatch.engines.vllm import VLLMEngine
+
+    def key(**kwargs):
+        return VLLMEngine(VLLMSettings("m", {"max_model_len": 512, **kwargs})).warm_key()
+
+    assert key() == key(allowed_local_media_path="/srv/a") == key(allowed_local_media_path="/srv/b") \
+        == key(allowed_media_domains=["example.com"])
+    assert key() != key(limit_mm_per_prompt={"image": 2})

@@ -53,6 +53,11 @@ logger = logging.getLogger(__name__)
 
 #: Seconds the engine processes get to exit before they are killed.
 SHUTDOWN_TIMEOUT_S = 2.0
+#: ``engine_kwargs`` that say which media rows may name: llmbatch's prepare-multimodal stage reads
+#: them (builders.py) and requests reach the engine with their media decoded (``multi_modal_data``)
+MEDIA_POLICY_KWARGS = ("allowed_local_media_path", "allowed_media_domains")
+
+
 class VLLMEngine(Engine):
     """One vLLM ``AsyncLLM`` with llmbatch's request building and output shaping."""
 
@@ -86,9 +91,11 @@ class VLLMEngine(Engine):
         defaults llmbatch gives the engine where it runs (``engine_arguments``: ``enforce_eager``
         on a CPU, a CPU's KV cache from ``LLMBATCH_CPU_KV_CACHE_BYTES``), so an engine that asks
         for a default is the one that leaves it; the replicas only where they size it (a CPU's
-        KV cache left to its default share of the memory), the detokenize stage only for generation."""
+        KV cache left to its default share of the memory), the detokenize stage only for generation;
+        not the media policy (:data:`MEDIA_POLICY_KWARGS`): the run's own prepare-multimodal stage
+        applies it, shipped with each lease, and the engine gets only the media that stage decoded."""
         settings = dataclasses.asdict(self.settings)
-        kwargs = dict(self.settings.engine_kwargs)
+        kwargs = {k: v for k, v in self.settings.engine_kwargs.items() if k not in MEDIA_POLICY_KWARGS}
         if not gpu:
             kwargs.setdefault("enforce_eager", True)
             fixed = os.environ.get(KV_BYTES_ENV, "").strip()
