@@ -124,10 +124,11 @@ def test_the_last_frame_the_summary_and_status_agree(ray_cluster, smollm2, minil
     tokens = [frame["generated_tokens_per_s"], stats["generated_tokens_per_s"], shown["generated_tokens_per_s"]]
     assert tokens[0] > 0 and _agree(*tokens), tokens
 
-    # a pooling task: rows/s and items/s (embeddings), no generated tokens
+    # a pooling task: rows/s and items/s (embeddings), no generated tokens (examples/embed.yaml's
+    # engine: the warm one of test_tasks.py and test_openai_batch_files.py, on the same worker)
     proc = llmbatch("run", "-m", "all-minilm-l6-v2", "--task", "embed", "--text-column", "name",
                     "--input", tmp_path / "in.jsonl", "--id-column", "id", "--output", tmp_path / "emb.parquet",
-                    "--quiet")
+                    "--quiet", "--set", "model.engine_kwargs.max_model_len=256")
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     summary = _flat(proc.stdout)
     assert "rows/s" in summary and "items/s (embeddings)" in summary and "generated" not in summary, summary
