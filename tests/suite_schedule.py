@@ -33,8 +33,8 @@ LONGEST_FIRST = (  # seconds per file in the fresh-clone run at c4f5baa: 294, 26
 
 #: Files that share a warm engine where they run on one worker, longest first in each group.
 SAME_WORKER = (
-    # the suite's usual engine (smollm2-135m-instruct, max_model_len 512; test_terminal.py and
-    # test_openai_batch_files.py also share MiniLM's embedding engine of examples/embed.yaml): about
+    # the suite's usual engine (smollm2-135m-instruct, max_model_len 512; test_examples.py,
+    # test_terminal.py and test_openai_batch_files.py also share examples/embed.yaml's MiniLM): about
     # 1,250 of the suite's 2,650 s in the run above; the tasks' pooling models (test_tasks.py, 190 s)
     # stay out, so the other worker's files (LoRA, Serve, the media, the other clusters) weigh as much
     ("tests/e2e/test_jobs.py", "tests/e2e/test_plan_shapes.py", "tests/e2e/test_examples.py",

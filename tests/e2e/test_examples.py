@@ -48,8 +48,8 @@ def test_every_example_is_covered():
     scripts = sorted(p.name for p in EXAMPLES.glob("*.py") if p.name != "notes.py")
     assert jobs == ["classify.yaml", "embed.yaml", "industry.yaml", "score.yaml", "welcome_notes.yaml"]
     # openai_endpoint.py runs in test_http_vllm.py (against vllm serve), shared_engine.py in test_serve.py;
-    # embed.yaml, score.yaml and classify.yaml in test_tasks.py, beside the other pooling jobs
-    # (the same models: their warm engines serve both)
+    # score.yaml and classify.yaml in test_tasks.py, beside the other pooling jobs (the same models:
+    # their warm engines serve both); embed.yaml here, on the worker of the other files of its engine
     assert scripts == ["captioning.py", "openai_endpoint.py", "quickstart.py", "shared_engine.py", "vision_qa.py"]
 
 
@@ -96,6 +96,21 @@ def test_quickstart_script(ray_cluster, smollm2, sample_csv):
                           text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}, timeout=900)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     assert "60 rows" in proc.stdout
+
+
+def test_embed_example(ray_cluster, minilm, sample_csv, tmp_path):
+    """examples/embed.yaml: MiniLM at max_model_len 256, the engine test_terminal.py and
+    test_openai_batch_files.py run too (the same worker: tests/suite_schedule.py)."""
+    import numpy as np
+
+    out = tmp_path / "emb.parquet"
+    run_cli("run", str(EXAMPLES / "embed.yaml"), "--quiet", "--set", f"input.path={sample_csv}",
+            "--set", "input.limit=12", "--set", f"output.path={out}")
+    table = pq.read_table(out)
+    assert table.column_names == ["Index", "Company", "embeddings"] and table.num_rows == 12
+    assert table.schema.field("embeddings").type.list_size == 384
+    vectors = np.array(table.column("embeddings").to_pylist())
+    assert np.allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-4)  # pooling_params.normalize
 
 
 def run_script(name: str, *args: str) -> str:
