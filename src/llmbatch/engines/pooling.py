@@ -8,6 +8,13 @@
   the score is its activated output; with an embedding model (a bi-encoder), each text is
   embedded and the score is their cosine. ``embeddings`` holds the raw output, as Ray's.
 
+A pooled vector stays one float32 numpy array from the engine to the output (:func:`as_vector`):
+postprocess sees a 1-D ``numpy.ndarray``, as Ray Data hands it over, and the output column is
+built from the arrays in one call (a fixed-size float32 list: :mod:`llmbatch.codec`), with no
+Python float per element (384 of them per MiniLM row: ``bench/RESULTS.md``, issue 29, ninth
+session). Such an answer is not JSON, so a job does not record it for a resume
+(:mod:`llmbatch.stages.answers`): recomputing a lost embedding costs less than encoding every one.
+
 Row ``pooling_params`` take vLLM's names (``dimensions``, ``use_activation``) and the older
 ones users write (``normalize`` for embed, ``softmax``/``activation`` for classify).
 """
@@ -16,6 +23,8 @@ from __future__ import annotations
 
 import math
 from typing import Any
+
+import numpy as np
 
 from llmbatch.errors import RowValidationError, suggestion
 from llmbatch.rows import to_python
@@ -26,12 +35,26 @@ USER_PARAMS = {"embed": ("dimensions", "use_activation"), "classify": ("use_acti
 ALIASES = {"normalize": "use_activation", "softmax": "use_activation", "activation": "use_activation"}
 
 
+_POOLING_PARAMS: Any = None
+
+
+def _pooling_params_class() -> Any:
+    """vLLM's ``PoolingParams``, imported once: ``from vllm import`` in the function went through
+    vLLM's lazy module ``__getattr__`` and importlib for every row."""
+    global _POOLING_PARAMS
+    if _POOLING_PARAMS is None:
+        from vllm import PoolingParams
+
+        _POOLING_PARAMS = PoolingParams
+    return _POOLING_PARAMS
+
+
 def pooling_params(raw: Any, task: str, cross_encoder: bool = False):
     """(vLLM ``PoolingParams``, canonical dict) for a row's ``pooling_params``.
 
     Classification asks the engine for logits (probs are computed here); a cross-encoder score
     and embeddings use the model's activation unless the row says otherwise."""
-    from vllm import PoolingParams
+    PoolingParams = _pooling_params_class()
 
     raw = to_python(raw or {})
     if not isinstance(raw, dict):
@@ -59,15 +82,17 @@ def pooling_params(raw: Any, task: str, cross_encoder: bool = False):
         raise RowValidationError(f"invalid pooling_params: {exc}") from exc
 
 
-def as_floats(data: Any) -> list[float]:
-    """An engine's pooled output (a tensor or a list) as a list of floats."""
-    if hasattr(data, "float"):
-        data = data.float().cpu().tolist()
-    return [float(x) for x in data]
+def as_vector(data: Any) -> np.ndarray:
+    """An engine's pooled output (a tensor on any device, in any float dtype, or a list) as a
+    1-D float32 numpy array of its own: one copy in C, never a view into the engine's batch."""
+    if hasattr(data, "float"):  # a torch tensor
+        data = data.detach().float().cpu().numpy()
+    return np.array(data, dtype=np.float32).reshape(-1)
 
 
-def classification(logits: list[float], labels: dict[int, str], activated: bool) -> dict[str, Any]:
-    """``probs`` and ``label`` for one row's classifier output."""
+def classification(logits: Any, labels: dict[int, str], activated: bool) -> dict[str, Any]:
+    """``probs`` and ``label`` for one row's classifier output (a list or a 1-D array)."""
+    logits = [float(x) for x in logits]  # a handful of labels: plain floats for the math below
     if activated:
         probs = list(logits)
     elif len(logits) == 1:
@@ -81,7 +106,9 @@ def classification(logits: list[float], labels: dict[int, str], activated: bool)
     return {"probs": probs, "label": labels.get(best, f"LABEL_{best}")}
 
 
-def cosine(a: list[float], b: list[float]) -> float:
-    dot = sum(x * y for x, y in zip(a, b))
-    norm = math.sqrt(sum(x * x for x in a)) * math.sqrt(sum(y * y for y in b))
-    return dot / norm if norm else 0.0
+def cosine(a: Any, b: Any) -> float:
+    """The cosine of two vectors (lists or arrays), computed in float64."""
+    a = np.asarray(a, dtype=np.float64).reshape(-1)
+    b = np.asarray(b, dtype=np.float64).reshape(-1)
+    norm = math.sqrt(float(a @ a)) * math.sqrt(float(b @ b))
+    return float(a @ b) / norm if norm else 0.0

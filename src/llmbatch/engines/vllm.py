@@ -16,12 +16,14 @@ import re
 import time
 from typing import Any
 
+import numpy as np
+
 from llmbatch import startlog
 from llmbatch.engines import vllm_procs
 from llmbatch.engines.base import Engine, Request
 from llmbatch.engines.logs import EngineLog
 from llmbatch.engines.lora import Adapters, base_rows_apart
-from llmbatch.engines.pooling import as_floats, classification, cosine, pooling_params
+from llmbatch.engines.pooling import as_vector, classification, cosine, pooling_params
 from llmbatch.engines.settings import VLLMSettings, max_model_len
 from llmbatch.engines.vllm_params import (
     completion_row,
@@ -348,17 +350,18 @@ class VLLMEngine(Engine):
         return result
 
     async def _pooled(self, request: Request, final: Any, lora: Any) -> dict[str, Any]:
-        """The pooling task's columns for one request (see :mod:`llmbatch.engines.pooling`)."""
-        data = as_floats(final.outputs.data)
+        """The pooling task's columns for one request (see :mod:`llmbatch.engines.pooling`):
+        ``embeddings`` a float32 array, no Python float per element."""
+        data = as_vector(final.outputs.data)
         if self.task_type == "embed":
             return {"embeddings": data}
         if self.task_type == "classify":
             return {"embeddings": data, **classification(data, self.labels, bool(request.params.use_activation))}
         second = request.extra.get("prompt_2")
         if second is None:  # a cross-encoder pair, or a single text (Ray's form)
-            return {"embeddings": data, "score": data[0] if len(data) == 1 else None}
+            return {"embeddings": data, "score": float(data[0]) if len(data) == 1 else None}
         other = None
         async for out in self.llm.encode(second, request.params, f"{next(self._ids)}-2", lora_request=lora):
             other = out
-        score = cosine(data, as_floats(other.outputs.data))
-        return {"embeddings": [score], "score": score}
+        score = cosine(data, as_vector(other.outputs.data))
+        return {"embeddings": np.array([score], dtype=np.float32), "score": score}

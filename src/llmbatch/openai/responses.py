@@ -137,7 +137,8 @@ def response_body(rows: list[dict[str, Any]], url: str, model: str, response_id:
     if url == EMBEDDINGS:
         data = []
         for index, row in enumerate(rows):
-            vector = [float(v) for v in row.get("embeddings") or []]
+            vector = row.get("embeddings")  # a list, or the engine's float32 array
+            vector = [] if vector is None else [float(v) for v in vector]
             if row.get("encoding_format") == "base64":
                 vector = base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
             data.append({"index": index, "object": "embedding", "embedding": vector})

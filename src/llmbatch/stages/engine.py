@@ -28,6 +28,8 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+import numpy as np
+
 from llmbatch.engines.base import Engine, Request
 from llmbatch.errors import EngineDiedError, EngineStartError, StructuredOutputError
 from llmbatch.rows import ANSWER, ERROR_COLUMN, STATS, Row, is_error
@@ -352,11 +354,14 @@ class EngineStage(Stage):
 
 
 def result_size(result: dict[str, Any]) -> int:
-    """About how many bytes an answer takes in memory (text, token ids, logprobs)."""
+    """About how many bytes an answer takes in memory (text, token ids, logprobs, a pooled
+    vector's array)."""
     size = 256
     for value in result.values():
         if isinstance(value, str):
             size += 49 + len(value)
+        elif isinstance(value, np.ndarray):
+            size += 112 + value.nbytes
         elif isinstance(value, (list, tuple)):
             size += 64 + 8 * len(value)
             if value and isinstance(value[0], (list, dict)):
