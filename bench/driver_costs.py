@@ -6,10 +6,13 @@ the output from parts of ``commit_rows`` rows whose answers are made up here.
         [--stream RATE]
 
 ``--stream RATE``: instead of the output, the rows phase's driver side: the representatives
-arrive in batches of 256 at RATE rows a second (made-up answers, as from replicas) and go
+arrive in batches of 256 at RATE rows a second (made-up answers in the columns a generation
+job's replica sends: the conversation, the prompt, tokens, the stats, the answer record) and go
 through the job's ``Committer`` (the fold builds and commits their followers); prints how long
-the driver was busy per batch (the longest stall) and when each representative was committed
-after it arrived (what a SIGKILL at that moment would lose).
+the driver was busy per batch (the longest stall), when each representative was committed
+after it arrived (what a SIGKILL at that moment would lose), and the seconds the replicas'
+output stage took to make the batches (``replica_s``, all replicas together). ``--encoded``:
+the batches come as pickled rows that the driver types (the form before the ninth session).
 
 CUSTOMERS.csv: ``llmbatch sample FILE --rows 2000000 --seed 0``. Prints one JSON line of seconds.
 """
@@ -43,6 +46,7 @@ def main() -> None:
     ap.add_argument("--commit-rows", type=int, default=1000)
     ap.add_argument("--dir", default="/tmp/driver-costs")
     ap.add_argument("--stream", type=float, default=0.0, help="representatives a second (see above)")
+    ap.add_argument("--encoded", action="store_true", help="with --stream: pickled rows, typed by the driver")
     args = ap.parse_args()
     folder = Path(args.dir)
     shutil.rmtree(folder, ignore_errors=True)
@@ -65,7 +69,7 @@ def main() -> None:
     fold = Fold(job.dir.input_files(), INGEST_ROWS, np.ones(info["rows"], dtype=bool), ["Company"])
     out.update(fold_s=round(time.time() - t, 2), rows=info["rows"], representatives=int(fold.send.sum()))
     if args.stream:
-        out.update(stream(job, fold, info["rows"], args.stream, args.commit_rows))
+        out.update(stream(job, fold, info["rows"], args.stream, args.commit_rows, encoded=args.encoded))
         print(json.dumps(out))
         return
     t = time.time()
@@ -89,12 +93,38 @@ def main() -> None:
     print(json.dumps(out))
 
 
-def stream(job, fold: Fold, rows: int, rate: float, commit_rows: int, batch: int = 256) -> dict:
+def replica_rows(table: pa.Table) -> list[dict]:
+    """Output rows as a generation job's replica hands them to its output stage (made-up
+    answers; the columns and their kinds of values as a real run's parts hold them)."""
+    rows = table.to_pylist()
+    now = time.time()
+    for i, row in enumerate(rows):
+        user = f"What industry is this company in: {row['Company']}"
+        row.update({
+            "messages": [{"role": "system", "content": "You classify companies by industry."},
+                         {"role": "user", "content": user}],
+            "prompt": f"<|im_start|>system\nYou classify companies by industry.<|im_end|>\n<|im_start|>user\n{user}"
+                      "<|im_end|>\n<|im_start|>assistant\n",
+            "num_input_tokens": 44, "time_taken_llm": 0.5, "request_id": i, "generated_text": "Technology",
+            "generated_tokens": [54, 11079, 2], "num_generated_tokens": 3, "finish_reason": "stop",
+            "batch_uuid": "a830b9a3e3cb47c38c6e4b1a080301d7", ERROR_COLUMN: "",
+            STATS: {"replica": "vm:1", "devices": "0", "cached_tokens": None, "deduped": False,
+                    "process_start_at": now, "begin_at": now, "start_at": now, "ready_at": now,
+                    "first_request_at": now, "restarts": 0, "finished_at": now, "in_flight": 5},
+            ANSWER: json.dumps({"e": "45516335b6e5bfb7", "k": f"{i:032x}",
+                                "a": {"num_input_tokens": 44, "generated_text": "Technology"}})})
+    return rows
+
+
+def stream(job, fold: Fold, rows: int, rate: float, commit_rows: int, batch: int = 256, encoded: bool = False) -> dict:
     """The representatives through the driver's Committer at ``rate`` rows a second."""
     from llmbatch.codec import encode_rows
-    from llmbatch.jobs.driver import Committer
+    from llmbatch.jobs.driver import Committer, job_output
     from llmbatch.progress import Progress
     from llmbatch.rows import ROW_ID
+
+    output = job_output().bind(task_type="generate", continue_on_error=True, postprocessed=True)
+    replica_s = 0.0
 
     done = np.zeros(rows, dtype=bool)
     committer = Committer(job.dir, done, Progress(rows, quiet=True), commit_rows, 10.0, fold)
@@ -115,16 +145,13 @@ def stream(job, fold: Fold, rows: int, rate: float, commit_rows: int, batch: int
                               f: pq.read_table(job.dir.input_files()[f]).drop_columns(["__llmbatch_key"])}
                 source, mine = inputs[f], ids[ids // INGEST_ROWS == f]
                 pieces.append(source.take(pa.array(np.searchsorted(source.column(ROW_ID).to_numpy(), mine))))
-            table = pa.concat_tables(pieces)
-            n = table.num_rows
-            table = (table.append_column(ERROR_COLUMN, pa.array([""] * n))
-                     .append_column("generated_text", pa.array(["Technology"] * n))
-                     .append_column(STATS, pa.array([{"replica": "r0", "deduped": False, "in_flight": 5}] * n))
-                     .append_column(ANSWER, pa.array(["{}"] * n)))
-            encoded = encode_rows(table.to_pylist())  # as a replica sends its rows
+            out_rows = replica_rows(pa.concat_tables(pieces))
+            t = time.time()
+            sent = encode_rows(out_rows) if encoded else output.to_table(out_rows)  # as a replica sends them
+            replica_s += time.time() - t
             t = time.time()
             arrived[ids] = t - t0
-            committer.add(encoded)  # the driver's work on a batch: decoding it included
+            committer.add(sent)  # the driver's work on a batch: typing it included, if it came encoded
             busy.append(time.time() - t)
         committer.flush()
     committer.close()
@@ -136,6 +163,7 @@ def stream(job, fold: Fold, rows: int, rate: float, commit_rows: int, batch: int
     lag = (committed - arrived)[reps]
     return {"stream_s": round(time.time() - t0, 2), "rate": rate, "batches": len(busy),
             "busy_max_s": round(max(busy), 2), "busy_total_s": round(sum(busy), 2),
+            "encoded": encoded, "replica_s": round(replica_s, 2), "driver_s": {k: round(v, 2) for k, v in committer.busy.items()},
             "rep_commit_lag_s": {q: round(float(np.nanpercentile(lag, q)), 2) for q in (50, 90, 99, 100)},
             "parts": len(job.dir.part_files())}
 

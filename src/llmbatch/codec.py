@@ -41,6 +41,9 @@ logger = logging.getLogger(__name__)
 STATE_COLUMN = "__llmbatch_state"
 #: Field metadata that marks a column stored as JSON text.
 JSON_FIELD_KEY = b"llmbatch.json"
+#: Columns a job keeps as JSON text from its first row (free-form JSON: the conversation, an
+#: endpoint's whole answer), so that every part of a job agrees on them.
+JOB_JSON_COLUMNS = frozenset({"messages", "http_response", "completions"})
 
 _ARROW = {"string": pa.string(), "int64": pa.int64(), "float64": pa.float64(),
           "list<int64>": pa.list_(pa.int64()), "list<float32>": pa.list_(pa.float32())}

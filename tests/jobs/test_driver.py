@@ -119,3 +119,36 @@ def test_answered_rows_are_committed_on_time_while_no_new_batch_arrives(tmp_path
         c.add(answered([3]))
     c.flush()
     assert len(job.part_files()) == 2
+
+
+def test_rows_the_replicas_output_stage_types_commit_as_rows_that_come_encoded(tmp_path):
+    """The job's output stage types its rows in the replica (the driver's one thread only
+    commits them): the parts hold what they held when the driver typed encoded rows."""
+    import pyarrow.parquet as pq
+
+    from llmbatch.codec import STATE_COLUMN, json_columns_of, table_to_rows
+    from llmbatch.jobs.driver import job_output
+    from llmbatch.rows import ANSWER
+
+    rows = [{ROW_ID: i, "messages": [{"role": "user", "content": f"q{i}"}], "generated_text": f"a{i}",
+             "generated_tokens": [i, 2], "num_generated_tokens": 2, ERROR_COLUMN: "engine: ValueError: no" if i == 2 else "",
+             STATS: {"replica": "r", "deduped": False, "cached_tokens": None}, ANSWER: f'{{"k": "{i}"}}'} for i in range(4)]
+    output = job_output().bind(task_type="generate", continue_on_error=True, postprocessed=True)
+    typed = output.to_table([dict(r) for r in rows])
+    assert STATE_COLUMN not in typed.column_names, "the job's rows should leave the replica typed"
+    assert json_columns_of(typed.schema) == ["messages"], "the conversation should be JSON text from the first row"
+    committed = []
+    # (what the stage sent before: the same shaped rows, pickled)
+    for name, batch in (("typed", typed), ("encoded", encode_rows([output.shape(dict(r)) for r in rows]))):
+        job = job_with(tmp_path / name, 4)
+        c = Committer(job, np.zeros(4, dtype=bool), Progress(4, tty=False, quiet=True), commit_rows=1000,
+                      commit_seconds=3600)
+        c.add(batch)
+        c.flush()
+        c.close()
+        assert job.state().counts() == {"rows": 4, "done": 4, "ok": 3, "errors": 1, "todo": 0}, name
+        (part,) = job.part_files()
+        committed.append(sorted(table_to_rows(pq.read_table(part)), key=lambda r: r[ROW_ID]))
+    typed_rows, encoded_rows = committed
+    assert typed_rows == encoded_rows, "typed and encoded rows should commit the same values"
+    assert typed_rows[1]["messages"] == [{"role": "user", "content": "q1"}]

@@ -316,7 +316,7 @@ def test_job_sink_keeps_the_error_column_with_postprocess_and_errors_not_kept():
 
     rows = pa.table({ROW_ID: [0, 1], "generated_text": ["a", "b"], ERROR_COLUMN: ["", ""]})
     post = PostprocessStage(lambda row: {"answer": row["generated_text"]})
-    job_output = OutputStage(keep_private=(ROW_ID,), encoded=True).bind(task_type="generate", continue_on_error=False,
+    job_output = OutputStage(keep_private=(ROW_ID,), for_job=True).bind(task_type="generate", continue_on_error=False,
                                                                          postprocessed=True)
     job_sink = StageRunner([post, job_output], continue_on_error=False)
     out = [r for t in job_sink(rows) for r in decode_rows(t)]

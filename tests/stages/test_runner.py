@@ -39,7 +39,7 @@ def test_middle_operators_pass_encoded_rows_and_the_job_sink_keeps_its_private_c
     middle = StageRunner([Answer()], continue_on_error=True)
     (table,) = run(middle, pa.table({"q": ["a"], ROW_ID: [7]}))
     assert table.column_names == [STATE_COLUMN]
-    job_sink = StageRunner([OutputStage(keep_private=(ROW_ID, STATS), encoded=True)])
+    job_sink = StageRunner([OutputStage(keep_private=(ROW_ID, STATS), for_job=True)])
     (out,) = run(job_sink, table)
     (row,) = decode_rows(out)
     assert row[ROW_ID] == 7 and row[STATS] == {"replica": "r"} and row["generated_text"] == "A"

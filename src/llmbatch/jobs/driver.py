@@ -21,7 +21,7 @@ import pyarrow as pa
 
 from llmbatch.builders import build_layout
 from llmbatch.cluster import ensure_ray
-from llmbatch.codec import decode_rows, encode_rows, rows_to_table
+from llmbatch.codec import JOB_JSON_COLUMNS, STATE_COLUMN, decode_rows, encode_rows, rows_to_table
 from llmbatch.errors import EngineStartError, JobError, LLMBatchError, RowError
 from llmbatch.io.writers import conform, unify_schema
 from llmbatch.jobs.fold import BUILD_SLICE, Fold
@@ -51,7 +51,13 @@ def build_job_processor(job: Job) -> Processor:
     postprocess, and an output stage that keeps the job's private columns (row id, per-row
     engine facts) for the driver."""
     return Processor(job.config, build_layout(job.config, preprocess=job.preprocess(), postprocess=job.postprocess(),
-                                              output=OutputStage(keep_private=(ROW_ID, STATS, ANSWER), encoded=True)))
+                                              output=job_output()))
+
+
+def job_output() -> OutputStage:
+    """The output stage of a job's processor (unbound: the layout binds it): the private
+    columns the driver needs, rows typed in the replicas as the driver commits them."""
+    return OutputStage(keep_private=(ROW_ID, STATS, ANSWER), for_job=True)
 
 
 def answer_tag(job: Job) -> str:
@@ -91,8 +97,9 @@ class Committer:
         self.buffered = 0
         self.last_commit = time.monotonic()
         self.duplicates = 0
-        # columns of free-form JSON (an endpoint's whole answer) are kept as JSON text
-        self.json_columns: set[str] = {"messages", "http_response", "completions"}
+        # columns of free-form JSON (an endpoint's whole answer) are kept as JSON text (rows that
+        # come encoded; the replicas' output stage types theirs alike: stages/output.py)
+        self.json_columns: set[str] = set(JOB_JSON_COLUMNS)
         self._lock = threading.Lock()  # the stream's thread adds, the timer's commits
         # parts are written on a thread of their own, in order (see WRITE_AHEAD)
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmbatch-parts")
@@ -101,11 +108,13 @@ class Committer:
         #: the writer on parts (stats.json ``driver_s``: is the driver what the rows wait for?)
         self.busy = {"answers": 0.0, "parts": 0.0}
 
-    def add(self, encoded: pa.Table) -> None:
-        if encoded.num_rows == 0:
+    def add(self, batch: pa.Table) -> None:
+        """One batch of the processor's output: typed rows (the job's output stage types them in
+        the replicas), or rows still encoded."""
+        if batch.num_rows == 0:
             return
         began = time.perf_counter()
-        table = rows_to_table(decode_rows(encoded), self.json_columns)
+        table = rows_to_table(decode_rows(batch), self.json_columns) if STATE_COLUMN in batch.column_names else batch
         with self._lock:
             self._add(table)
         self.busy["answers"] += time.perf_counter() - began
