@@ -254,3 +254,21 @@ def test_followers_are_built_a_slice_at_a_time_behind_the_answers_and_all_at_the
     committer.flush()  # the end of the stream: everything
     assert fold.ready == {} and done.all()
     assert sorted(r[ROW_ID] for r in committed(job)) == list(range(len(COMPANIES)))
+
+
+def test_followers_whose_answers_came_in_chunks_of_other_types_are_built_from_each_chunk(job):
+    """Answers of one column order whose types do not join (a column of numbers in one batch,
+    of text in the next): the followers are built a table per chunk, each with its own
+    representative's answer."""
+    fold, committer, done = folding(job)
+    for ids, score in (([0, 1], 7), ([3, 6, 7], "high")):
+        table = rows_to_table(decode_rows(answered(job, ids)), {"messages"})
+        committer.add(table.append_column("score", pa.array([score] * len(ids))))
+    committer.flush()
+    out = {r[ROW_ID]: r for r in committed(job)}
+    assert sorted(out) == list(range(len(COMPANIES))), "every row once"
+    for i, company in enumerate(COMPANIES):
+        if company is None:
+            continue
+        assert out[i]["generated_text"] == f"about {company}", i
+        assert str(out[i]["score"]) == ("7" if company in ("Acme", "Birch") else "high"), i
