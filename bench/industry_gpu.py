@@ -103,7 +103,7 @@ def run_llmbatch(args) -> dict:
         killed = kill_when_committed(cmd, folder / "out.parquet.job", args.kill_at, args.timeout)
         killed["requests_sent_before_kill"] = sent_requests(tally)
         cmd = [sys.executable, "-m", "llmbatch", "resume", str(folder / "out.parquet.job"), "--quiet"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    proc = run_job(cmd, args.timeout, folder / "driver-pyspy.txt")
     wall = time.time() - t0
     points = gpu.stop()
     result = {"system": "llmbatch", "rows": args.rows, "rc": proc.returncode, "wall_s": round(wall, 2),
@@ -243,6 +243,20 @@ def agreement(a: str, b: str) -> dict:
     both = set(x) & set(y)
     same = sum(1 for k in both if x[k] == y[k])
     return {"rows_compared": len(both), "same": same, "share": round(same / len(both), 4) if both else None}
+
+
+def run_job(cmd: list[str], timeout: float, profile: Path) -> subprocess.CompletedProcess:
+    """The job's process to its end; with ``LLMBATCH_BENCH_PYSPY`` (a py-spy binary) the
+    driver's threads are sampled beside it (20 a second, without pausing it: raw stacks in
+    ``profile``)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    spy = os.environ.get("LLMBATCH_BENCH_PYSPY")
+    prof = subprocess.Popen([spy, "record", "--pid", str(proc.pid), "--rate", "20", "--nonblocking", "--format", "raw",
+                             "--output", str(profile)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) if spy else None
+    out, err = proc.communicate(timeout=timeout)
+    if prof is not None:
+        prof.wait(timeout=120)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def main() -> None:
