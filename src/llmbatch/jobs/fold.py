@@ -168,8 +168,9 @@ class Fold:
 
     def emit(self, done: np.ndarray, everything: bool = False, limit: int | None = None) -> list[pa.Table]:
         """The ready followers of the files due (of every file: ``everything``), file by file
-        until ``limit`` rows are built (the other files' wait for the next call)."""
-        out: list[pa.Table] = []
+        until ``limit`` rows are taken (the other files' wait for the next call), built together."""
+        batch: list[tuple[int, np.ndarray]] = []
+        taken: list[tuple[int, np.ndarray]] = []
         built = 0
         for f in sorted(self.ready):
             if limit is not None and built >= limit:
@@ -181,11 +182,14 @@ class Fold:
                 self.ready_count[f] = 0
                 fresh = np.sort(ids[~done[ids]])
                 if len(fresh):
-                    out.extend(self._build(f, fresh))
+                    batch.append((f, fresh))
                     built += len(fresh)
-                self._built(self.group_of[ids])
-                if self.pending[f] <= 0:
-                    self._inputs.pop(f, None)
+                taken.append((f, ids))
+        out = self._build(batch) if batch else []
+        for f, ids in taken:  # their answers and input files can go once no other follower needs them
+            self._built(self.group_of[ids])
+            if self.pending[f] <= 0:
+                self._inputs.pop(f, None)
         return out
 
     def _input(self, f: int) -> pa.Table:
@@ -213,13 +217,16 @@ class Fold:
             if self.answers.live[c] <= 0:
                 self.answers.chunks[c] = None
 
-    def _build(self, f: int, ids: np.ndarray) -> list[pa.Table]:
-        """Followers ``ids`` of input file ``f``: their own input columns, their group's answer
-        (one table for the followers whose answers came in chunks of one column order: the
-        chunks joined without a copy and one take of them, one of the inputs; a take costs about
-        as much for one row as for a thousand)."""
-        source = self._input(f)
-        positions = np.searchsorted(source.column(ROW_ID).to_numpy(), ids)
+    def _build(self, batch: list[tuple[int, np.ndarray]]) -> list[pa.Table]:
+        """The followers of ``batch`` (per input file, its followers' ids, ascending): their own
+        input columns, their group's answer. The answer chunks of one column order are joined
+        (without a copy) and taken once for the whole batch, then cut per file: a take joins
+        the chunks it takes from into one copy and costs about as much for one row as for a
+        thousand, so once per file per chunk (76,603 takes for the seeds' 2,000,000 rows) or once
+        per file (each copying every answer chunk its followers use) made most of the driver's
+        work on four GPUs."""
+        ids = np.concatenate([fresh for _, fresh in batch])
+        bounds = np.cumsum([0, *(len(fresh) for _, fresh in batch)])
         groups = self.group_of[ids]
         chunks = self.answers.chunk_of[groups]
         rows = self.answers.row_of[groups]
@@ -234,35 +241,45 @@ class Fold:
             try:
                 joined = pa.concat_tables(parts, promote_options="permissive")
             except (pa.ArrowInvalid, pa.ArrowTypeError):  # answers of other types: a table per chunk
-                pairs = [(pick[chunks[pick] == c], part.take(pa.array(rows[pick[chunks[pick] == c]])))
-                         for c, part in zip(used, parts)]
+                pieces = [(pick[chunks[pick] == c], part.take(pa.array(rows[pick[chunks[pick] == c]])))
+                          for c, part in zip(used, parts)]
             else:
                 starts = np.cumsum([0, *(part.num_rows for part in parts[:-1])])
                 at = starts[np.searchsorted(used_chunks, chunks[pick])] + rows[pick]
-                pairs = [(pick, joined.take(pa.array(at)))]
-            for chosen, answers in pairs:
-                tables.append(_follower_table(source.take(pa.array(positions[chosen])), answers, list(column_order),
-                                              self.own))
+                pieces = [(pick, joined.take(pa.array(at)))]
+            for chosen, answers in pieces:  # chosen: ascending positions in ids, so each file's are together
+                answers = _copied(answers)
+                cuts = np.searchsorted(chosen, bounds)
+                for (f, _), a, b in zip(batch, cuts[:-1].tolist(), cuts[1:].tolist()):
+                    if a == b:
+                        continue
+                    source = self._input(f)
+                    positions = np.searchsorted(source.column(ROW_ID).to_numpy(), ids[chosen[a:b]])
+                    tables.append(_follower_table(source.take(pa.array(positions)), answers.slice(a, b - a),
+                                                  list(column_order), self.own))
         return tables
+
+
+def _copied(answers: pa.Table) -> pa.Table:
+    """Representatives' answers as their followers hold them: stats marked ``deduped`` (the
+    answer was copied, not generated), no answer record (the representative's row carries it)."""
+    for name in (ANSWER, STATS):
+        if name in answers.column_names:
+            i = answers.column_names.index(name)
+            field = answers.schema.field(i)
+            array = pa.nulls(answers.num_rows, field.type) if name == ANSWER else _deduped(answers.column(i))
+            answers = answers.set_column(i, pa.field(name, array.type, metadata=field.metadata), array)
+    return answers
 
 
 def _follower_table(inputs: pa.Table, answers: pa.Table, order: list[str], own: frozenset[str]) -> pa.Table:
     """Followers' output rows, in the representatives' column ``order``: their ``own`` input
-    columns (their row id included) and the rest from the answers (stats marked ``deduped``; no
-    answer record: the representative's row carries it)."""
+    columns (their row id included) and the rest from their answers (:func:`_copied`)."""
     fields, arrays = [], []
     for name in [*order, *(n for n in inputs.column_names if n in own and n not in order)]:
-        if name in own:
-            fields.append(inputs.schema.field(name))
-            arrays.append(inputs.column(name))
-            continue
-        array = answers.column(name)
-        if name == ANSWER:
-            array = pa.nulls(inputs.num_rows, array.type)
-        elif name == STATS:
-            array = _deduped(array)
-        fields.append(pa.field(name, array.type, metadata=answers.schema.field(name).metadata))
-        arrays.append(array)
+        source = inputs if name in own else answers
+        fields.append(source.schema.field(name))
+        arrays.append(source.column(name))
     return pa.Table.from_arrays(arrays, schema=pa.schema(fields))
 
 
