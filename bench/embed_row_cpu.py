@@ -12,7 +12,8 @@ too) per row, per part, after a warm-up batch of 256: ``tokenize`` (the stage's 
 ``engine`` (the engine stage over a batch: requests built, the fake engine's answers turned into
 row columns, rows finished), ``output`` (the output stage's Arrow table of each chunk).
 ``--job``: the engine stage records answers as a job's does (``answer_tag``) and the output stage
-is a job's.
+is a job's. Where the tree has ``stages.runner.freeze_gc_heap``, it is called once the stages are
+set up, as a processor's worker does.
 """
 
 from __future__ import annotations
@@ -74,6 +75,13 @@ def measure(rows: int, job: bool) -> dict:
     except TypeError:  # an older tree: a job's rows left encoded for its driver
         output = OutputStage(keep_private=(STATS, ROW_ID), encoded=job)
     output = output.bind(task_type="embed", continue_on_error=True, postprocessed=False)
+    try:  # as a processor's worker does once its stages have started, where the tree does it
+        from llmbatch.stages.runner import freeze_gc_heap
+    except ImportError:
+        frozen = False
+    else:
+        freeze_gc_heap()
+        frozen = True
     cpu = {"tokenize": 0.0, "engine": 0.0, "output": 0.0}
 
     async def one(rows_in: list[dict], counted: bool) -> None:
@@ -97,7 +105,7 @@ def measure(rows: int, job: bool) -> dict:
 
     asyncio.run(run())
     us = {k: v / rows * 1e6 for k, v in cpu.items()}
-    return {"rows": rows, "job": job, "us_per_row": us, "outside_tokenizer_us": us["engine"] + us["output"],
+    return {"rows": rows, "job": job, "gc_frozen": frozen, "us_per_row": us, "outside_tokenizer_us": us["engine"] + us["output"],
             "total_us": sum(us.values())}
 
 

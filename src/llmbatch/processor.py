@@ -301,7 +301,8 @@ class Processor:
         kwargs = dict(
             fn_constructor_kwargs=dict(stages=op.stages, continue_on_error=lay.continue_on_error, run_id=run_id,
                                        role=op.name, peers=op.min_workers, peer_wait_s=lay.stall_timeout_s or 600.0,
-                                       batch_rows=op.batch_size if op.block_batches > 1 else 0),
+                                       batch_rows=op.batch_size if op.block_batches > 1 else 0,
+                                       freeze_heap=True),  # the worker's start-up heap (runner.py)
             batch_size=op.block_rows,
             batch_format="pyarrow",
             zero_copy_batch=True,

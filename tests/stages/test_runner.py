@@ -45,6 +45,20 @@ def test_middle_operators_pass_encoded_rows_and_the_job_sink_keeps_its_private_c
     assert row[ROW_ID] == 7 and row[STATS] == {"replica": "r"} and row["generated_text"] == "A"
 
 
+def test_a_worker_hides_its_start_up_heap_from_the_collector():
+    import gc
+
+    before = gc.get_freeze_count()
+    StageRunner([Answer()])  # the caller's process (this test's) is left alone by default
+    assert gc.get_freeze_count() == before
+    try:
+        runner = StageRunner([Answer()], freeze_heap=True)  # a processor's worker (processor.py)
+        assert gc.get_freeze_count() > before
+        assert runner._probe()["state"] == "ready"
+    finally:
+        gc.unfreeze()
+
+
 def test_heartbeat_probe_says_ready_after_start():
     runner = StageRunner([Answer()])
     assert runner._probe() == {"state": "ready", "waiting_since": 0.0, "in_flight": 0, "done": 0}

