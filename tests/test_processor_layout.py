@@ -77,7 +77,7 @@ def test_replicas_share_a_gpu_with_a_fractional_bundle():
 
 
 def test_the_output_stage_runs_last_in_the_last_operator_and_nothing_else_carries_job_flags():
-    """The job layer's output shape (private keys kept, rows left encoded) is its own output
+    """The job layer's output shape (private keys kept, rows typed for its driver) is its own output
     stage, passed to build_layout: the layout, the runner and the builders know no such flags."""
     import dataclasses
     import inspect
@@ -89,14 +89,14 @@ def test_the_output_stage_runs_last_in_the_last_operator_and_nothing_else_carrie
 
     config = vLLMEngineProcessorConfig(model_source=MODEL, fuse_stages=False)
     job = Processor(config, build_layout(config, preprocess=lambda r: r,
-                                         output=OutputStage(keep_private=("__llmbatch_id",), encoded=True)))
+                                         output=OutputStage(keep_private=("__llmbatch_id",), for_job=True)))
     ops = job.operators()
     assert names(ops) == ["prepare:preprocess+chat_template+tokenize", "engine", "finish:detokenize"]
-    assert ops[-1].stages[-1] is job.layout.output and job.layout.output.encoded
+    assert ops[-1].stages[-1] is job.layout.output and job.layout.output.for_job
     assert not any(isinstance(s, OutputStage) for op in ops[:-1] for s in op.stages)
     assert job.layout.output.keep_private == ("__llmbatch_id",) and not job.layout.output.postprocessed
     user = build_processor(config, postprocess=lambda r: r)
-    assert not user.layout.output.encoded and user.layout.output.postprocessed
+    assert not user.layout.output.for_job and user.layout.output.postprocessed
     flags = {"keep_private", "encoded_output", "sink"}
     assert not flags & {f.name for f in dataclasses.fields(Layout)}
     assert not flags & set(inspect.signature(StageRunner).parameters)
