@@ -241,8 +241,8 @@ class Fold:
             try:
                 joined = pa.concat_tables(parts, promote_options="permissive")
             except (pa.ArrowInvalid, pa.ArrowTypeError):  # answers of other types: a table per chunk
-                pieces = [(pick[chunks[pick] == c], part.take(pa.array(rows[pick[chunks[pick] == c]])))
-                          for c, part in zip(used, parts)]
+                mine = [pick[chunks[pick] == c] for c in used]
+                pieces = [(chosen, part.take(pa.array(rows[chosen]))) for chosen, part in zip(mine, parts)]
             else:
                 starts = np.cumsum([0, *(part.num_rows for part in parts[:-1])])
                 at = starts[np.searchsorted(used_chunks, chunks[pick])] + rows[pick]
