@@ -147,7 +147,8 @@ def stream(job, fold: Fold, rows: int, rate: float, commit_rows: int, batch: int
                 pieces.append(source.take(pa.array(np.searchsorted(source.column(ROW_ID).to_numpy(), mine))))
             out_rows = replica_rows(pa.concat_tables(pieces))
             t = time.time()
-            sent = encode_rows(out_rows) if encoded else output.to_table(out_rows)  # as a replica sends them
+            # as a replica sends them: shaped by the job's output stage, then typed (or pickled, as before)
+            sent = encode_rows([output.shape(r) for r in out_rows]) if encoded else output.to_table(out_rows)
             replica_s += time.time() - t
             t = time.time()
             arrived[ids] = t - t0
