@@ -158,3 +158,26 @@ def test_a_warm_engine_serves_runs_whose_media_policy_differs():
     assert key() == key(allowed_local_media_path="/srv/a") == key(allowed_local_media_path="/srv/b") \
         == key(allowed_media_domains=["example.com"])
     assert key() != key(limit_mm_per_prompt={"image": 2})
+
+
+def test_begin_imports_what_the_engine_start_shares_with_the_tokenizer_stages_before_they_run_side_by_side():
+    """The replica's runner starts the engine on one thread and the tokenizer stages on another
+    after every stage's begin(); modules both import must be imported before, by begin()
+    (a half-imported transformers module failed a replica's start: "cannot import name
+    'PreTrainedConfig'"). In a fresh interpreter, so that nothing imported them already."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from llmbatch.engines.settings import VLLMSettings\n"
+        "from llmbatch.engines.vllm import VLLMEngine\n"
+        "shared = ('vllm.engine.arg_utils', 'transformers.configuration_utils', 'transformers.tokenization_utils_base')\n"
+        "assert not any(m in sys.modules for m in shared), [m for m in shared if m in sys.modules]\n"
+        "VLLMEngine(VLLMSettings(model_source='m', engine_kwargs={})).begin()\n"
+        "missing = [m for m in shared if m not in sys.modules]\n"
+        "assert not missing, missing\n"
+        "print('ok')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout[-2000:] + proc.stderr[-3000:]

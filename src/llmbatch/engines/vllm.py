@@ -60,6 +60,20 @@ SHUTDOWN_TIMEOUT_S = 2.0
 MEDIA_POLICY_KWARGS = ("allowed_local_media_path", "allowed_media_domains")
 
 
+def shared_imports() -> None:
+    """Import what vLLM's start and the replica's tokenizer stages both import, before they run
+    side by side on two threads (``stages.runner``): vLLM's config imports transformers'
+    ``PreTrainedConfig`` while the chat template and tokenize stages load transformers'
+    tokenizers, and a thread that meets a transformers module the other thread is still
+    importing can fail ("cannot import name 'PreTrainedConfig' from 'transformers'", seen
+    failing a replica's start). vLLM's start imports these first anyway: nothing waits longer."""
+    import_vllm()
+    import transformers
+    import vllm.engine.arg_utils  # noqa: F401 - vLLM's config: transformers' configuration modules
+
+    transformers.PreTrainedTokenizerBase  # noqa: B018 - a lazy attribute: the tokenizers' base module
+
+
 class VLLMEngine(Engine):
     """One vLLM ``AsyncLLM`` with llmbatch's request building and output shaping."""
 
@@ -121,7 +135,8 @@ class VLLMEngine(Engine):
 
     def begin(self) -> None:
         """Launch what the engine's start will use, without waiting for it: the fork server
-        its engine process comes from (it imports vLLM in the background). Once per replica."""
+        its engine process comes from (it imports vLLM in the background), once per replica;
+        then import what the start shares with the other stages' (:func:`shared_imports`)."""
         if self.log is None:
             self.log = EngineLog()
         watch_children()  # the engine's processes never outlive this replica
@@ -131,6 +146,8 @@ class VLLMEngine(Engine):
                 if self._fork_server:
                     engine_env()
                     self._fork_server = vllm_procs.start_server()
+        shared_imports()
+
 
     async def _start(self) -> None:
         vllm = self._vllm = import_vllm()

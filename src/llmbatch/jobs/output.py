@@ -271,7 +271,8 @@ def startup_phases(run_info: dict[str, Any], totals: Tally) -> dict[str, float |
     """Where this run's time went, in order, each phase from the end of the one before (None
     where it did not happen in this run): the process up to ``run_job`` (imports, the CLI),
     preparing the job (its lock, reading the input the first time: ``ingest``, its state),
-    starting Ray, Ray Data's plan and the replicas until one began to start its engine, that
+    waiting for Ray (its start begins beside the preparation: ``ray_init`` is the start's own
+    length, of which ``ray_start`` is what the preparation did not cover), Ray Data's plan and the replicas until one began to start its engine, that
     engine's start (model load, compile, KV cache), the first answer after it, the rows until the
     last one committed, and writing the output. ``to_first_row`` and ``total`` count from the
     process start: what a user waits for. ``after_last_row`` is the end of the rows phase after
@@ -295,6 +296,8 @@ def startup_phases(run_info: dict[str, Any], totals: Tally) -> dict[str, float |
     for (name, start), (_, end) in zip(points, points[1:] + [("end", now)]):
         phases[name] = round(end - start, 2) if start is not None and end is not None and end >= start else None
     phases["ingest"] = round(marks["ingest_s"], 2) if marks.get("ingest_s") is not None else None
+    ray_began, ray_up = marks.get("ray_began"), marks.get("ray_up")
+    phases["ray_init"] = round(ray_up - ray_began, 2) if ray_began and ray_up else None
     first, origin = marks.get("first_row"), marks.get("process_start")
     phases["to_first_row"] = round(first - origin, 2) if first and origin else None
     last = marks.get("last_row")

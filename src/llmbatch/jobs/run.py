@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from llmbatch.cluster import RayStart
 from llmbatch.errors import ConfigError, JobError, LLMBatchError
 from llmbatch.io.files import atomic_write_json
 from llmbatch.jobs.driver import execute
@@ -127,6 +128,27 @@ def _started(job: JobDir) -> bool:
         return True
 
 
+#: An input of at least this many bytes (or a remote one) is read while Ray starts beside the
+#: read (``cluster.RayStart``); a smaller one reads in well under Ray's start, which then starts
+#: when the rows need it, so that a mistake found in a small input never starts Ray.
+#: ``LLMBATCH_RAY_BESIDE_INPUT_BYTES`` sets another size (0: always beside the read).
+LONG_READ_BYTES = 16 * 2**20
+LONG_READ_ENV = "LLMBATCH_RAY_BESIDE_INPUT_BYTES"
+
+
+def _long_read(path: str) -> bool:
+    raw = os.environ.get(LONG_READ_ENV, "").strip()
+    least = int(raw) if raw.isdigit() else LONG_READ_BYTES
+    if "://" in path or least == 0:
+        return True
+    try:
+        if os.path.isdir(path):
+            return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file()) >= least
+        return os.path.getsize(path) >= least
+    except OSError:
+        return False  # the read reports what is missing
+
+
 def read_input(job: Job) -> JobMeta:
     """Read the job's input once into its directory (``jobs.ingest``), as its kind reads it."""
     spec, meta = job.spec, job.meta
@@ -199,9 +221,17 @@ def _run_locked(job: Job, *, retry_errors: bool, report: bool, quiet: bool, tty:
     job_dir, meta = job.dir, job.meta
     job_dir.clean_temporaries()
     ingest_s = None
+    ray_start = None
     if not meta.ingested:
+        # Ray starts beside a long first read of the input (a large or remote one)
+        ray_start = RayStart(log_to_driver=False) if _long_read(job.spec.input.path) else None
         ingest_began = time.time()
-        read_input(job)
+        try:
+            read_input(job)
+        except BaseException:
+            if ray_start is not None:
+                ray_start.abandon()
+            raise
         ingest_s = time.time() - ingest_began
     else:
         job.kind.check_columns(job, meta.columns)
@@ -224,7 +254,7 @@ def _run_locked(job: Job, *, retry_errors: bool, report: bool, quiet: bool, tty:
     progress.start()
     try:
         if todo.any():
-            execute(job, todo, done, progress)
+            execute(job, todo, done, progress, ray_start)
     except KeyboardInterrupt:
         state_name = "stopped"
         job_dir.log("stopped by signal; committed rows are kept, run `llmbatch resume` to continue")

@@ -1,0 +1,87 @@
+"""Ray's start on a thread of its own (``cluster.RayStart``), begun beside a job's preparation."""
+
+import threading
+
+import pytest
+
+from llmbatch import cluster
+
+
+def test_ray_starts_on_another_thread_and_wait_returns_once_it_is_up(monkeypatch):
+    calls = []
+    release = threading.Event()
+
+    def fake_ensure_ray(**kwargs):
+        calls.append((threading.current_thread().name, kwargs))
+        assert release.wait(10), "the test never let the start finish"
+
+    monkeypatch.setattr(cluster, "ensure_ray", fake_ensure_ray)
+    start = cluster.RayStart(log_to_driver=False)
+    assert start.ready_at is None  # the caller goes on while Ray starts
+    release.set()
+    start.wait()
+    assert calls == [("llmbatch-ray-start", {"log_to_driver": False})]
+    assert start.ready_at is not None and start.ready_at >= start.began
+
+
+def test_a_failed_start_is_raised_where_the_caller_waits_for_ray(monkeypatch):
+    def failing(**_kwargs):
+        raise ConnectionError("could not reach the GCS at 10.0.0.1:6379")
+
+    monkeypatch.setattr(cluster, "ensure_ray", failing)
+    start = cluster.RayStart()
+    with pytest.raises(ConnectionError, match="10.0.0.1:6379"):
+        start.wait()
+    assert start.ready_at is None
+
+
+def test_an_abandoned_start_stops_the_ray_it_began_and_only_that(monkeypatch):
+    import ray
+
+    stopped = []
+    monkeypatch.setattr(cluster, "ensure_ray", lambda **_kwargs: None)
+    monkeypatch.setattr(ray, "shutdown", lambda: stopped.append(True))
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    cluster.RayStart().abandon()  # a local cluster this start began: stopped
+    assert stopped == [True]
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")
+    cluster.RayStart().abandon()  # joined through an address: stays
+    monkeypatch.delenv("RAY_ADDRESS")
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    cluster.RayStart().abandon()  # up before (a notebook's own ray.init): stays
+    assert stopped == [True]
+
+
+def test_a_mistake_found_in_a_large_input_stops_the_ray_started_beside_its_read(tmp_path, monkeypatch):
+    """A large input's read runs beside Ray's start; when the read finds a mistake (here: no
+    column the prompt names), the job fails with it and the start it began is abandoned, not left
+    running."""
+    from llmbatch.errors import ConfigError
+    from llmbatch.jobs import run as run_module
+    from llmbatch.jobs.spec import JobSpec
+
+    starts = []
+
+    class Recorded:
+        def __init__(self, **kwargs):
+            self.kwargs, self.abandoned = kwargs, False
+            starts.append(self)
+
+        def abandon(self):
+            self.abandoned = True
+
+    monkeypatch.setattr(run_module, "RayStart", Recorded)
+    monkeypatch.setenv(run_module.LONG_READ_ENV, "0")  # as for a large input
+    (tmp_path / "in.csv").write_text("Index,Company\n1,Acme\n")
+    spec = JobSpec.model_validate({"input": {"path": str(tmp_path / "in.csv")},
+                                   "model": {"source": "smollm2-135m-instruct"},
+                                   "prompt": {"user": "{Company} in {Cityy}"},
+                                   "output": {"path": str(tmp_path / "out.parquet")}})
+    with pytest.raises(ConfigError, match="Cityy"):
+        run_module.run_job(spec, quiet=True)
+    assert len(starts) == 1 and starts[0].abandoned and starts[0].kwargs == {"log_to_driver": False}
+    monkeypatch.setenv(run_module.LONG_READ_ENV, str(10**9))  # a small input: no Ray before the rows need it
+    with pytest.raises(ConfigError, match="Cityy"):
+        run_module.run_job(spec, quiet=True)
+    assert len(starts) == 1
