@@ -85,3 +85,26 @@ def test_a_mistake_found_in_a_large_input_stops_the_ray_started_beside_its_read(
     with pytest.raises(ConfigError, match="Cityy"):
         run_module.run_job(spec, quiet=True)
     assert len(starts) == 1
+
+
+def test_a_local_ray_started_on_the_thread_outlives_the_start():
+    """Ray starts its GCS and raylet with PR_SET_PDEATHSIG: they die when the thread that started
+    them ends. A real local Ray, in a fresh process (no cluster to join): after the start the
+    thread is still there and Ray still runs a task."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import threading, ray\n"
+        "from llmbatch.cluster import RayStart\n"
+        "start = RayStart(num_cpus=1)\n"
+        "start.wait()\n"
+        "assert start.began_local\n"
+        "assert [t for t in threading.enumerate() if t.name == 'llmbatch-ray-start' and t.is_alive()]\n"
+        "print('answer', ray.get(ray.remote(lambda: 41 + 1).remote(), timeout=120))\n"
+        "start.abandon()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0 and "answer 42" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]

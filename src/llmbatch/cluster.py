@@ -46,7 +46,12 @@ class RayStart:
     needs no Ray (a job's lock, its input's first read, its state): Ray's start (its GCS, raylet
     and workers: 2-3 s on a laptop, 7-9 s on a many-core GPU node) runs beside that work instead
     of after it. :meth:`wait` returns once Ray is up, or raises what its start raised; Ray's own
-    start-up waits bound it (as the direct call)."""
+    start-up waits bound it (as the direct call).
+
+    The thread stays (idle) once Ray is up: Ray starts its GCS and raylet with
+    ``PR_SET_PDEATHSIG``, and Linux kills such a child when the *thread* that started it ends,
+    not only its process (the job's driver then loses its object store: "The connection to the
+    plasma store is failed. Terminate the process")."""
 
     def __init__(self, **init_kwargs: Any):
         self.began = time.time()
@@ -54,6 +59,7 @@ class RayStart:
         self._error: BaseException | None = None
         self._began_local = False
         self._kwargs = init_kwargs
+        self._done = threading.Event()
         self._thread = threading.Thread(target=self._start, name="llmbatch-ray-start", daemon=True)
         self._thread.start()
 
@@ -67,9 +73,13 @@ class RayStart:
             self.ready_at = time.time()
         except BaseException as exc:  # noqa: BLE001 - raised where the caller waits for Ray
             self._error = exc
+        finally:
+            self._done.set()
+        if self._error is None and self._began_local:
+            threading.Event().wait()  # Ray's processes live as long as this thread (see the class)
 
     def wait(self) -> None:
-        self._thread.join()
+        self._done.wait()
         if self._error is not None:
             error, self._error = self._error, None
             raise error
@@ -79,7 +89,7 @@ class RayStart:
         for the start to end, then stop the Ray this start began, so that no half-started
         cluster outlives the process. Ray that was up before, or joined through an address,
         stays."""
-        self._thread.join()
+        self._done.wait()
         if self._error is None and self.began_local:
             import ray
 
