@@ -115,10 +115,11 @@ class EngineStage(Stage):
     def begin(self) -> None:
         self.process_start_at = process_start()
         self.begin_at = time.time()
-        self.engine.begin()
+        self.engine.begin()  # the engine's start begins here (its fork server, vLLM's imports)
 
     async def start(self) -> None:
-        self.start_at = time.time()
+        # from begin() when it ran just before (the replica's start), else now (a later start)
+        self.start_at = self.begin_at if self.begin_at and not self.start_at else time.time()
         await self.engine.start()
         self._ready_up()
 
