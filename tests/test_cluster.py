@@ -19,9 +19,10 @@ def test_ray_starts_on_another_thread_and_wait_returns_once_it_is_up(monkeypatch
     start = cluster.RayStart(log_to_driver=False)
     assert start.ready_at is None  # the caller goes on while Ray starts
     release.set()
-    start.wait()
+    marks = start.wait()
     assert calls == [("llmbatch-ray-start", {"log_to_driver": False})]
     assert start.ready_at is not None and start.ready_at >= start.began
+    assert marks == {"ray_began": start.began, "ray_up": start.ready_at}  # the run's phases read them
 
 
 def test_a_failed_start_is_raised_where_the_caller_waits_for_ray(monkeypatch):

@@ -78,11 +78,13 @@ class RayStart:
         if self._error is None and self._began_local:
             threading.Event().wait()  # Ray's processes live as long as this thread (see the class)
 
-    def wait(self) -> None:
+    def wait(self) -> dict[str, float | None]:
+        """Wait for Ray; returns when its start began and ended (a run's ``ray_began``/``ray_up``)."""
         self._done.wait()
         if self._error is not None:
             error, self._error = self._error, None
             raise error
+        return {"ray_began": self.began, "ray_up": self.ready_at}
 
     def abandon(self) -> None:
         """The caller stopped before it needed Ray (a mistake found in the input, Ctrl-C): wait

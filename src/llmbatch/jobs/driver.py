@@ -20,7 +20,7 @@ import numpy as np
 import pyarrow as pa
 
 from llmbatch.builders import build_layout
-from llmbatch.cluster import RayStart, ensure_ray
+from llmbatch.cluster import ensure_ray
 from llmbatch.codec import JOB_JSON_COLUMNS, STATE_COLUMN, decode_rows, encode_rows, rows_to_table
 from llmbatch.errors import EngineStartError, JobError, LLMBatchError, RowError
 from llmbatch.io.writers import conform, unify_schema
@@ -368,16 +368,10 @@ def quiet_ray_data() -> Iterator[None]:
             lg.setLevel(levels[name])
 
 
-def execute(job: Job, todo: np.ndarray, done: np.ndarray, progress: Progress,
-            ray_start: RayStart | None = None) -> None:
-    """Run passes until every row is committed (or recorded as lost); translate failures.
-    ``ray_start``: Ray's start begun beside the job's preparation (``run_job``), waited for here."""
-    progress.set_phase("starting Ray")
-    if ray_start is not None:
-        ray_start.wait()
-        progress.marks.setdefault("ray_began", ray_start.began)
-        progress.marks.setdefault("ray_up", ray_start.ready_at)
+def execute(job: Job, todo: np.ndarray, done: np.ndarray, progress: Progress) -> None:
+    """Run passes until every row is committed (or recorded as lost); translate failures."""
     # worker output (engine start-up chatter) goes to Ray's log files, not the terminal
+    progress.set_phase("starting Ray")
     ensure_ray(log_to_driver=False)
     progress.marks.setdefault("ray_ready", time.time())
     with quiet_ray_data():

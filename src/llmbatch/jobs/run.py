@@ -254,7 +254,10 @@ def _run_locked(job: Job, *, retry_errors: bool, report: bool, quiet: bool, tty:
     progress.start()
     try:
         if todo.any():
-            execute(job, todo, done, progress, ray_start)
+            if ray_start is not None:  # begun beside the input's read: waited for where the rows need Ray
+                progress.set_phase("starting Ray")
+                progress.marks.update(ray_start.wait())
+            execute(job, todo, done, progress)
     except KeyboardInterrupt:
         state_name = "stopped"
         job_dir.log("stopped by signal; committed rows are kept, run `llmbatch resume` to continue")
