@@ -28,3 +28,22 @@ def test_starts_are_counted_per_file_and_warm_engines_stopped_are_named_with_why
     assert "warm engines stopped: 1 (its machine short of memory: 1)" in text, text
     detail = json.loads((folder / "starts-by-file.json").read_text())
     assert [d["kind"] for d in detail] == ["vllm-engine", "warm-host-stop", "warm-host-stop", "vllm-engine", "cli"]
+
+
+def test_a_start_whose_first_steps_ran_before_its_block_is_timed_from_when_it_began(tmp_path, monkeypatch):
+    """vLLM's engine imports what its start needs in begin(), before the timed block: the
+    ledger's entry counts from begin() (``since``), so that the suite's "engine s" keep it."""
+    import time
+
+    from llmbatch import startlog
+
+    ledger = tmp_path / "starts.jsonl"
+    monkeypatch.setenv(startlog.ENV, str(ledger))
+    began = time.time() - 5.0
+    with startlog.timed("vllm-engine", since=began, model="m"):
+        pass
+    with startlog.timed("vllm-engine", since=time.time() + 60, model="m"):  # a time to come: ignored
+        pass
+    done = [json.loads(line) for line in ledger.read_text().splitlines() if "seconds" in line]
+    assert abs(done[0]["t0"] - began) < 0.01 and 5.0 <= done[0]["seconds"] < 6.0, done
+    assert done[1]["seconds"] < 1.0, done

@@ -42,10 +42,13 @@ def record(kind: str, t0: float, seconds: float | None, ok: bool = True, **field
 
 
 @contextlib.contextmanager
-def timed(kind: str, **fields: Any) -> Iterator[dict[str, Any]]:
+def timed(kind: str, since: float | None = None, **fields: Any) -> Iterator[dict[str, Any]]:
     """Record the block as a start of ``kind`` (``ok`` false where it raised); the caller may
-    add fields to the yielded dict."""
+    add fields to the yielded dict. ``since``: the start began earlier, at this epoch time (its
+    first steps ran before the block)."""
     t0, start = time.time(), time.perf_counter()
+    if since is not None and since <= t0:
+        t0, start = since, start - (t0 - since)
     extra: dict[str, Any] = dict(fields)
     record(kind, t0, None, **extra)
     ok = False

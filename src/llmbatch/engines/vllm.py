@@ -98,6 +98,7 @@ class VLLMEngine(Engine):
         #: computes base rows wrongly beside an adapter's (bench/lora_mix.py)
         self.base_rows_apart = False
         self._tokenizer = None
+        self._begun_at: float | None = None  # when begin() first ran for the next start
         #: whether vLLM's engine process comes from a warm fork server (engines/vllm_procs.py)
         self._fork_server: bool | None = None
 
@@ -128,7 +129,8 @@ class VLLMEngine(Engine):
 
     async def start(self) -> None:
         self.begin()
-        with startlog.timed("vllm-engine", model=self.model_source, task=self.task_type,
+        began, self._begun_at = self._begun_at, None  # the start's ledger entry counts begin()'s imports
+        with startlog.timed("vllm-engine", since=began, model=self.model_source, task=self.task_type,
                             engine_kwargs=self.settings.engine_kwargs), self.log.capture():
             await self._start()
         self.log.take_loggers()
@@ -137,6 +139,8 @@ class VLLMEngine(Engine):
         """Launch what the engine's start will use, without waiting for it: the fork server
         its engine process comes from (it imports vLLM in the background), once per replica;
         then import what the start shares with the other stages' (:func:`shared_imports`)."""
+        if self._begun_at is None:
+            self._begun_at = time.time()
         if self.log is None:
             self.log = EngineLog()
         watch_children()  # the engine's processes never outlive this replica
