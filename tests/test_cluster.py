@@ -40,7 +40,7 @@ def test_an_abandoned_start_stops_the_ray_it_began_and_only_that(monkeypatch):
     import ray
 
     stopped = []
-    monkeypatch.setattr(cluster, "ensure_ray", lambda **_kwargs: None)
+    monkeypatch.setattr(ray, "init", lambda **_kwargs: None)  # ensure_ray decides; no Ray starts
     monkeypatch.setattr(ray, "shutdown", lambda: stopped.append(True))
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.delenv("RAY_ADDRESS", raising=False)

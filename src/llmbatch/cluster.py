@@ -20,12 +20,13 @@ from llmbatch.errors import ResourceError
 logger = logging.getLogger(__name__)
 
 
-def ensure_ray(**init_kwargs) -> None:
-    """Start or join Ray if this process has not yet."""
+def ensure_ray(**init_kwargs) -> bool:
+    """Start or join Ray if this process has not yet; returns whether this call started a
+    local Ray (not up before, no address to join)."""
     import ray
 
     if ray.is_initialized():
-        return
+        return False
     # Ray's start-up notices (token authentication, the local instance) stay in its log files
     kwargs = {"ignore_reinit_error": True, "include_dashboard": False, "logging_level": logging.ERROR}
     kwargs.update(init_kwargs)
@@ -35,10 +36,12 @@ def ensure_ray(**init_kwargs) -> None:
     # ray.init makes SIGTERM sys.exit(15) in the driver; a handler of the process's own (run_job's:
     # stop cleanly, as Ctrl-C does) stays
     own = signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
-    with startlog.timed("ray-init", joined=bool(os.environ.get("RAY_ADDRESS") or kwargs.get("address"))):
+    joined = bool(os.environ.get("RAY_ADDRESS") or kwargs.get("address"))
+    with startlog.timed("ray-init", joined=joined):
         ray.init(**kwargs)
     if callable(own):
         signal.signal(signal.SIGTERM, own)
+    return not joined
 
 
 class RayStart:
@@ -57,7 +60,7 @@ class RayStart:
         self.began = time.time()
         self.ready_at: float | None = None
         self._error: BaseException | None = None
-        self._began_local = False
+        self.began_local = False  # this start began a local Ray (abandon stops it)
         self._kwargs = init_kwargs
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._start, name="llmbatch-ray-start", daemon=True)
@@ -65,17 +68,13 @@ class RayStart:
 
     def _start(self) -> None:
         try:
-            import ray
-
-            self._began_local = not ray.is_initialized() and not os.environ.get("RAY_ADDRESS") \
-                and not self._kwargs.get("address")
-            ensure_ray(**self._kwargs)
+            self.began_local = ensure_ray(**self._kwargs)
             self.ready_at = time.time()
         except BaseException as exc:  # noqa: BLE001 - raised where the caller waits for Ray
             self._error = exc
         finally:
             self._done.set()
-        if self._error is None and self._began_local:
+        if self._error is None and self.began_local:
             threading.Event().wait()  # Ray's processes live as long as this thread (see the class)
 
     def wait(self) -> dict[str, float | None]:
@@ -96,10 +95,6 @@ class RayStart:
             import ray
 
             ray.shutdown()
-
-    @property
-    def began_local(self) -> bool:
-        return self._began_local
 
 
 def check_accelerator(accelerator_type: str, cluster: dict[str, float]) -> None:

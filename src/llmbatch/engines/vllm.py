@@ -152,7 +152,6 @@ class VLLMEngine(Engine):
                     self._fork_server = vllm_procs.start_server()
         shared_imports()
 
-
     async def _start(self) -> None:
         vllm = self._vllm = import_vllm()
         from vllm.usage.usage_lib import UsageContext

@@ -272,8 +272,9 @@ def startup_phases(run_info: dict[str, Any], totals: Tally) -> dict[str, float |
     where it did not happen in this run): the process up to ``run_job`` (imports, the CLI),
     preparing the job (its lock, reading the input the first time: ``ingest``, its state),
     waiting for Ray (its start begins beside the preparation: ``ray_init`` is the start's own
-    length, of which ``ray_start`` is what the preparation did not cover), Ray Data's plan and the replicas until one began to start its engine, that
-    engine's start (model load, compile, KV cache), the first answer after it, the rows until the
+    length, of which ``ray_start`` is what the preparation did not cover), Ray Data's plan and
+    the replicas until one began to start its engine, that engine's start (vLLM's imports, model
+    load, compile, KV cache), the first answer after it, the rows until the
     last one committed, and writing the output. ``to_first_row`` and ``total`` count from the
     process start: what a user waits for. ``after_last_row`` is the end of the rows phase after
     the last answered rows reached the driver (its last commits: the followers of folded rows
