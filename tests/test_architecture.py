@@ -11,7 +11,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "llmbatch"
 #: Lowest first. A module may import its own layer (without a cycle) and the ones below.
 LAYERS = [
-    ["errors", "rows", "params", "redact", "codec", "startlog"],
+    ["errors", "env", "rows", "params", "redact", "codec", "startlog"],
     ["io", "openai", "models", "toy_models", "engines", "progress", "reaper", "sample_data", "sample_images", "sample_audio",
      "install_check", "cluster", "watchdog", "terminal", "report", "model_names"],
     ["config", "resume", "validation", "stages"],

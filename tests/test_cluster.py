@@ -109,3 +109,13 @@ def test_a_local_ray_started_on_the_thread_outlives_the_start():
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0 and "answer 42" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+
+
+def test_a_size_for_ray_beside_the_read_that_is_no_number_fails_naming_the_variable(tmp_path, monkeypatch):
+    from llmbatch.errors import ConfigError
+    from llmbatch.jobs import run as run_module
+
+    (tmp_path / "in.csv").write_text("Index,Company\n1,Acme\n")
+    monkeypatch.setenv(run_module.LONG_READ_ENV, "16MiB")
+    with pytest.raises(ConfigError, match="LLMBATCH_RAY_BESIDE_INPUT_BYTES='16MiB' is not a whole number of bytes"):
+        run_module._long_read(str(tmp_path / "in.csv"))

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from llmbatch.cluster import RayStart
+from llmbatch.env import env_number
 from llmbatch.errors import ConfigError, JobError, LLMBatchError
 from llmbatch.io.files import atomic_write_json
 from llmbatch.jobs.driver import execute
@@ -136,9 +137,15 @@ LONG_READ_BYTES = 16 * 2**20
 LONG_READ_ENV = "LLMBATCH_RAY_BESIDE_INPUT_BYTES"
 
 
+def _bytes(raw: str) -> int:
+    value = int(raw)
+    if value < 0:
+        raise ValueError(raw)
+    return value
+
+
 def _long_read(path: str) -> bool:
-    raw = os.environ.get(LONG_READ_ENV, "").strip()
-    least = int(raw) if raw.isdigit() else LONG_READ_BYTES
+    least = env_number(LONG_READ_ENV, LONG_READ_BYTES, _bytes, "a whole number of bytes", "16777216")
     if "://" in path or least == 0:
         return True
     try:

@@ -51,7 +51,8 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from llmbatch.errors import ConfigError, EngineStartError
+from llmbatch.env import env_number
+from llmbatch.errors import EngineStartError
 from llmbatch.rows import PRIVATE_PREFIX, STATS, Row
 from llmbatch.stages.base import Stage
 from llmbatch.stages.engine import EngineStage, process_start
@@ -80,22 +81,10 @@ ROOM_ENV = "LLMBATCH_WARM_ROOM_FRACTION"
 _INDEX = f"{PRIVATE_PREFIX}warm_i"
 
 
-def _env_number(name: str, default: Any, parse: Any, what: str, example: str) -> Any:
-    """The environment variable ``name`` read by ``parse`` (which raises ValueError for a value
-    that is not ``what``), else ``default``; a bad value fails naming the variable."""
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        return parse(raw)
-    except ValueError:
-        raise ConfigError(f"{name}={raw!r} is not {what}; set it to e.g. {example}, or unset it") from None
-
-
 def idle_others_cpu() -> int:
     """How many idle hosts of other settings a CPU cluster keeps: ``LLMBATCH_WARM_IDLE_OTHERS``,
     else :data:`IDLE_OTHERS_CPU` (memory still rules: below :data:`ROOM_FRACTION` fewer stay)."""
-    return _env_number(IDLE_OTHERS_ENV, IDLE_OTHERS_CPU, lambda raw: max(0, int(raw)), "a whole number", "3")
+    return env_number(IDLE_OTHERS_ENV, IDLE_OTHERS_CPU, lambda raw: max(0, int(raw)), "a whole number", "3")
 
 
 def _share(raw: str) -> float:
@@ -108,12 +97,12 @@ def _share(raw: str) -> float:
 def room_fraction() -> float:
     """The share of the machine's memory a new host wants available: ``LLMBATCH_WARM_ROOM_FRACTION``,
     else :data:`ROOM_FRACTION`."""
-    return _env_number(ROOM_ENV, ROOM_FRACTION, _share, "a share of memory between 0 and 1", "0.25")
+    return env_number(ROOM_ENV, ROOM_FRACTION, _share, "a share of memory between 0 and 1", "0.25")
 
 
 def keep_warm_default() -> float:
     """``LLMBATCH_KEEP_WARM_S`` as seconds (0 where unset)."""
-    return _env_number(KEEP_WARM_ENV, 0.0, lambda raw: max(0.0, float(raw)), "a number of seconds", "600")
+    return env_number(KEEP_WARM_ENV, 0.0, lambda raw: max(0.0, float(raw)), "a number of seconds", "600")
 
 
 def _host_class():
