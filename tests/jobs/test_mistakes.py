@@ -3,9 +3,10 @@ engine or Ray starts, in one line on stderr with exit code 2, naming the flag an
 traceback, and leaves nothing behind (no job directory, no output folder).
 
 The CLI's own entry point runs in the test process (``tests/inproc.py``), where the start-up
-ledger (``LLMBATCH_START_LOG``) shows that nothing started; a case runs as a process of its own
+ledger (``LLMBATCH_START_LOG``) shows that nothing started; a case runs in a process of its own
 where the process is the point: file permissions a root process gives up before it runs
-(``unprivileged``), and variables read once at import (``HF_HUB_OFFLINE``).
+(``unprivileged``), and variables read once at import (``HF_HUB_OFFLINE``). The cases of one
+such kind share one process (``tests/cli_cases.py``), each in its own folder.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import pytest
 from inproc import llmbatch as llmbatch_inproc
 
 SMOL = "smollm2-135m-instruct"
+CLI_CASES = Path(__file__).parents[1] / "cli_cases.py"
 #: capabilities a root process reads and writes past file permissions with (linux/capability.h)
 CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH = 1, 2
 PR_CAPBSET_DROP = 24
@@ -95,13 +97,34 @@ MISTAKES = {
 @pytest.fixture
 def workdir(tmp_path):
     yield tmp_path
-    for p in tmp_path.rglob("*"):  # what a case made unreadable, readable again for pytest's clean-up
+    _readable_again(tmp_path)
+
+
+def _readable_again(root: Path) -> None:
+    for p in root.rglob("*"):  # what a case made unreadable, readable again for pytest's clean-up
         if not p.is_symlink():
             p.chmod(0o755 if p.is_dir() else 0o644)
 
 
 def _tree(root: Path) -> set[str]:
     return {str(p.relative_to(root)) for p in root.rglob("*")}
+
+
+def _lay_out(case: Mistake, root: Path) -> dict[str, str]:
+    """The case's files and permissions under ``root``; the variables its run gets."""
+    for rel, content in case.files.items():
+        target = root / rel
+        if rel.endswith("/"):
+            target.mkdir(parents=True)
+        else:
+            target.write_text(content)
+    for rel in case.read_only:
+        (root / rel).chmod(0o555 if (root / rel).is_dir() else 0)
+    env = dict(case.env)
+    if env.get("HF_HUB_OFFLINE"):
+        (root / "cache").mkdir()
+        env["LLMBATCH_CACHE"] = str(root / "cache")
+    return env
 
 
 def _obey_file_permissions() -> None:
@@ -115,51 +138,88 @@ def _obey_file_permissions() -> None:
             raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP) failed")
 
 
-def _llmbatch(args: list[str], cwd: Path, env: dict[str, str], unprivileged: bool) -> subprocess.CompletedProcess:
-    """The CLI in a process of its own where the process is the point (see the module's text),
-    else in this one, with the start-up ledger's lines of this process checked: none is written
-    (no Ray, no engine started)."""
-    if not unprivileged and not env:
-        own = not os.environ.get("LLMBATCH_START_LOG")  # a run of this file alone: a ledger of its own
+def _llmbatch(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    """The CLI in this process, with the start-up ledger's lines of this process checked: none
+    is written (no Ray, no engine started)."""
+    own = not os.environ.get("LLMBATCH_START_LOG")  # a run of this file alone: a ledger of its own
+    if own:
+        os.environ["LLMBATCH_START_LOG"] = tempfile.mkstemp(prefix="lbt-mistakes-", suffix=".jsonl")[1]
+    ledger = Path(os.environ["LLMBATCH_START_LOG"])
+    ledger.touch()
+    seen = ledger.stat().st_size
+    try:
+        proc = llmbatch_inproc(*args, cwd=cwd, env={"LLMBATCH_KEEP_WARM_S": "0"})
+        with ledger.open("rb") as f:
+            f.seek(seen)
+            mine = [json.loads(line) for line in f.read().splitlines() if line.strip()]
+    finally:
         if own:
-            os.environ["LLMBATCH_START_LOG"] = tempfile.mkstemp(prefix="lbt-mistakes-", suffix=".jsonl")[1]
-        ledger = Path(os.environ["LLMBATCH_START_LOG"])
-        ledger.touch()
-        seen = ledger.stat().st_size
-        try:
-            proc = llmbatch_inproc(*args, cwd=cwd, env={"LLMBATCH_KEEP_WARM_S": "0"})
-            with ledger.open("rb") as f:
-                f.seek(seen)
-                mine = [json.loads(line) for line in f.read().splitlines() if line.strip()]
-        finally:
-            if own:
-                ledger.unlink(missing_ok=True)
-                os.environ.pop("LLMBATCH_START_LOG")
-        started = [e["kind"] for e in mine if e.get("pid") == os.getpid()]
-        assert not started, f"llmbatch {args[0]} started {started} before it failed"
-        return proc
-    preexec = _obey_file_permissions if unprivileged and os.geteuid() == 0 else None
-    return subprocess.run([sys.executable, "-m", "llmbatch", *args], cwd=cwd, capture_output=True, text=True,
-                          env={**os.environ, "LLMBATCH_KEEP_WARM_S": "0", **env}, timeout=300, preexec_fn=preexec)
+            ledger.unlink(missing_ok=True)
+            os.environ.pop("LLMBATCH_START_LOG")
+    started = [e["kind"] for e in mine if e.get("pid") == os.getpid()]
+    assert not started, f"llmbatch {args[0]} started {started} before it failed"
+    return proc
+
+
+def _apart(case: Mistake) -> tuple[bool, tuple[tuple[str, str], ...]] | None:
+    """What a case needs its own process for (None: nothing): the cases that need the same share one."""
+    return (case.unprivileged, tuple(sorted(case.env.items()))) if case.unprivileged or case.env else None
+
+
+@pytest.fixture(scope="module")
+def apart(tmp_path_factory):
+    """``apart(name)``: the case's run, its folder's tree before and after, from one process per
+    kind of set-up (``_apart``) running all the cases of that kind, each in a folder of its own."""
+    done: dict[str, tuple[subprocess.CompletedProcess, set[str], set[str]]] = {}
+    roots: list[Path] = []
+
+    def run_kind(kind) -> None:
+        names = [name for name, case in MISTAKES.items() if _apart(case) == kind]
+        unprivileged, env = kind
+        batch = tmp_path_factory.mktemp("apart")
+        cases, befores = [], {}
+        for name in names:
+            root = batch / name.replace(" ", "-")
+            root.mkdir()
+            roots.append(root)
+            case_env = _lay_out(MISTAKES[name], root)
+            befores[name] = _tree(root)
+            cases.append({"args": MISTAKES[name].args, "cwd": str(root),
+                          "env": {k: v for k, v in case_env.items() if k not in dict(env)}})
+        cases_path, results_path = batch / "cases.json", batch / "results.json"
+        cases_path.write_text(json.dumps(cases))
+        preexec = _obey_file_permissions if unprivileged and os.geteuid() == 0 else None
+        child = subprocess.run([sys.executable, str(CLI_CASES), str(cases_path), str(results_path)],
+                               capture_output=True, text=True, timeout=300, preexec_fn=preexec,
+                               env={**os.environ, "LLMBATCH_KEEP_WARM_S": "0", **dict(env)})
+        assert child.returncode == 0 and results_path.exists(), \
+            f"{CLI_CASES.name} failed:\n{child.stdout}{child.stderr}"
+        results = json.loads(results_path.read_text())
+        for name, case, result in zip(names, cases, results, strict=True):
+            proc = subprocess.CompletedProcess(["llmbatch", *case["args"]], result["returncode"], result["stdout"],
+                                               result["stderr"])
+            done[name] = (proc, befores[name], _tree(Path(case["cwd"])))
+
+    def result(name: str):
+        if name not in done:
+            run_kind(_apart(MISTAKES[name]))
+        return done[name]
+
+    yield result
+    for root in roots:
+        _readable_again(root)
 
 
 @pytest.mark.parametrize("name", list(MISTAKES))
-def test_mistake_is_caught_before_anything_starts(name, workdir):
+def test_mistake_is_caught_before_anything_starts(name, workdir, apart):
     case = MISTAKES[name]
-    for rel, content in case.files.items():
-        target = workdir / rel
-        if rel.endswith("/"):
-            target.mkdir(parents=True)
-        else:
-            target.write_text(content)
-    for rel in case.read_only:
-        (workdir / rel).chmod(0o555 if (workdir / rel).is_dir() else 0)
-    env = dict(case.env)
-    if env.get("HF_HUB_OFFLINE"):
-        (workdir / "cache").mkdir()
-        env["LLMBATCH_CACHE"] = str(workdir / "cache")
-    before = _tree(workdir)
-    proc = _llmbatch(case.args, workdir, env, case.unprivileged)
+    if _apart(case):
+        proc, before, after = apart(name)
+    else:
+        _lay_out(case, workdir)
+        before = _tree(workdir)
+        proc = _llmbatch(case.args, workdir)
+        after = _tree(workdir)
     printed = proc.stdout + proc.stderr
     assert "Traceback" not in printed, printed
     assert proc.returncode == 2, printed
@@ -169,7 +229,7 @@ def test_mistake_is_caught_before_anything_starts(name, workdir):
     for word in case.says:
         assert word in error_lines[0], f"{word!r} not in {error_lines[0]!r}"
     assert not any(word in printed for word in case.not_says), printed
-    assert _tree(workdir) == before, "left behind: " + ", ".join(sorted(_tree(workdir) - before))
+    assert after == before, "left behind: " + ", ".join(sorted(after - before))
 
 
 def test_retry_errors_with_no_error_rows_starts_nothing(workdir):
@@ -192,7 +252,7 @@ def test_retry_errors_with_no_error_rows_starts_nothing(workdir):
     job.commit(pa.table({ROW_ID: [0, 1], ERROR_COLUMN: ["", ""], "generated_text": ["1", "3"]}))
     meta.finished = {"parts_upto": 0}
     job.write_meta(meta)
-    proc = _llmbatch(["retry-errors", str(job.root)], workdir, {}, unprivileged=False)
+    proc = _llmbatch(["retry-errors", str(job.root)], workdir)
     printed = proc.stdout + proc.stderr
     assert proc.returncode == 0, printed
     assert "0 rows" in printed and "no error rows" in printed, printed
