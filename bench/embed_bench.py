@@ -195,15 +195,69 @@ def run_one(system: str, args, folder: Path, data: Path, kwargs: dict) -> dict:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAY_USAGE_STATS_ENABLED": "0"}
     env.pop("RAY_ADDRESS", None)
     started = time.time()
+    spy = os.environ.get("LLMBATCH_BENCH_PYSPY") if system in args.profile.split(",") else None
     with open(folder / f"{system}.log", "w") as fh:
-        proc = subprocess.run(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, timeout=args.timeout,
-                              start_new_session=True)
+        child = subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+        spies = _sample(spy, child, folder, system) if spy else []
+        proc = subprocess.CompletedProcess(cmd, child.wait(timeout=args.timeout))
+        for prof in spies:
+            prof.wait(timeout=120)
     if proc.returncode != 0 or not out.with_suffix(".json").exists():
         return {"system": system, "error": f"exit {proc.returncode}, log {folder / (system + '.log')}"}
     r = json.loads(out.with_suffix(".json").read_text())
     r.update(system=system, started_at=started, wall_s=r["done_at"] - started,
              steady_s=(r["done_at"] - r["ready_at"]) if r.get("ready_at") else None)
     return r
+
+
+def _descendants(root: int) -> dict[int, str]:
+    """Every process under ``root`` (from /proc), with its command line."""
+    parents, cmdlines = {}, {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                parents[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                cmdlines[int(d.name)] = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except (OSError, IndexError, ValueError):
+                continue
+    found, todo = {}, [root]
+    while todo:
+        pid = todo.pop()
+        for kid, parent in parents.items():
+            if parent == pid and kid not in found:
+                found[kid] = cmdlines.get(kid, "")
+                todo.append(kid)
+    return found
+
+
+def _sample(spy: str, child: subprocess.Popen, folder: Path, system: str) -> list[subprocess.Popen]:
+    """With LLMBATCH_BENCH_PYSPY (a py-spy binary) and --profile naming this system: the run's
+    process, and each Python process that appears under it (Ray's workers, vLLM's engine), sampled
+    20 times a second without pausing them, raw stacks per process beside the log
+    (``SYSTEM-pyspy-PID.txt``, with ``SYSTEM-pyspy-procs.json`` naming each PID's command line)."""
+    import threading
+
+    spies: list[subprocess.Popen] = []
+    seen: dict[int, str] = {}
+
+    def record(pid: int) -> None:
+        spies.append(subprocess.Popen([spy, "record", "--pid", str(pid), "--rate", "20", "--nonblocking",
+                                       "--format", "raw", "--output", str(folder / f"{system}-pyspy-{pid}.txt")],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+
+    def watch() -> None:
+        record(child.pid)
+        seen[child.pid] = "the run's process"
+        while child.poll() is None:
+            for pid, cmd in _descendants(child.pid).items():
+                if pid not in seen and ("python" in cmd or cmd.startswith(("ray::", "VLLM"))):
+                    seen[pid] = cmd
+                    record(pid)
+                    (folder / f"{system}-pyspy-procs.json").write_text(json.dumps(seen, indent=1))
+            time.sleep(1.0)
+
+    threading.Thread(target=watch, daemon=True).start()
+    return spies
 
 
 def vectors(result: dict, folder: Path):
@@ -257,6 +311,7 @@ def main() -> None:
                    help="one untimed run of each system on --warmup-rows texts before the timed rounds")
     p.add_argument("--warmup-rows", type=int, default=2000)
     p.add_argument("--timeout", type=int, default=1800)
+    p.add_argument("--profile", default="", help="systems to sample with py-spy (LLMBATCH_BENCH_PYSPY: the binary)")
     p.add_argument("--json", default=str(HERE / "embed-results" / "embed.json"))
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--system", help=argparse.SUPPRESS)

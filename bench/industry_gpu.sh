@@ -26,7 +26,8 @@ install)
   export PYTHONPATH=/tmp/site:$P/src
   python3 -c "import vllm, ray, llmbatch, torch; print('vllm', vllm.__version__, 'ray', ray.__version__, 'torch', torch.__version__, torch.cuda.get_device_name(0), llmbatch.__file__)"
   mkdir -p /tmp/data
-  for n in 200000 2000000; do python3 -m llmbatch sample /tmp/data/c$n.csv --rows $n --seed 0 & done; wait
+  # SAMPLES="": no sample files (a run that reads none, as bench/embed_gpu.sh)
+  for n in ${SAMPLES-200000 2000000}; do python3 -m llmbatch sample /tmp/data/c$n.csv --rows $n --seed 0 & done; wait
   wc -l /tmp/data/*.csv
   ;;
 run)
