@@ -1,20 +1,18 @@
 """``RAY_ADDRESS``: a job submitted from another process runs on an existing cluster.
 
-The test starts a Ray head of its own (``ray start --head --temp-dir=...``, stopped at the end
-by its own processes only, never with ``ray stop``), then runs ``llmbatch run`` in a separate
-process with ``RAY_ADDRESS`` set. The driver must join that cluster (Ray records it there as a
-driver with that process id) instead of starting a local Ray, and every id comes out once.
-The engine is the fake OpenAI-compatible server on loopback.
+The cluster is the worker's session cluster (the ``ray_cluster`` fixture: ``ray start --head``
+with a temp dir of its own, which ``LLMBATCH_TEST_RAY_TEMP`` names); ``llmbatch run`` runs in a
+separate process with ``RAY_ADDRESS`` set. The driver must join that cluster (Ray records it
+there as a driver with that process id) instead of starting a local Ray, and every id comes out
+once. The engine is the fake OpenAI-compatible server on loopback.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
-import tempfile
 import textwrap
 from pathlib import Path
 
@@ -22,40 +20,9 @@ import pyarrow.parquet as pq
 import pytest
 from waiting import wait_for
 
-from llmbatch import startlog
-from llmbatch.reaper import end_processes, processes_naming
-
 pytestmark = pytest.mark.e2e
 
 ROWS = 200
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def stop_own_cluster(temp: Path) -> None:
-    """Stop the Ray processes that name ``temp`` (this test's head), nothing else."""
-    end_processes(processes_naming(f"{temp}/"), grace_s=5)
-
-
-@pytest.fixture
-def head():
-    """A Ray head with 2 CPUs, private to this test (its own temp dir, its address file there)."""
-    temp = Path(tempfile.mkdtemp(prefix="lbh-", dir="/tmp"))  # short: Ray's socket paths must fit
-    port = free_port()
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_TMPDIR": str(temp)}
-    env.pop("RAY_ADDRESS", None)
-    with startlog.timed("ray-cluster", cpus=2):
-        subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "start", "--head", f"--port={port}",
-                        f"--temp-dir={temp}", "--num-cpus=2", "--include-dashboard=false", "--disable-usage-stats"],
-                       check=True, capture_output=True, env=env)
-    try:
-        yield f"127.0.0.1:{port}", temp
-    finally:
-        stop_own_cluster(temp)
 
 
 @pytest.fixture
@@ -70,8 +37,10 @@ def server(tmp_path):
     proc.wait()
 
 
-def test_a_job_from_another_process_runs_on_the_cluster_at_ray_address(head, server, tmp_path):
-    address, temp = head
+def test_a_job_from_another_process_runs_on_the_cluster_at_ray_address(ray_cluster, server, tmp_path):
+    temp = os.environ.get("LLMBATCH_TEST_RAY_TEMP")
+    assert ray_cluster and temp, "this test needs the session cluster the ray_cluster fixture starts (its temp dir)"
+    address, temp = ray_cluster, Path(temp)
     lines = ["Index,Company"] + [f"{i},Company {i}" for i in range(1, ROWS + 1)]
     (tmp_path / "customers.csv").write_text("\n".join(lines) + "\n")
     job = tmp_path / "job.yaml"
