@@ -3,7 +3,8 @@
 What a ray.data.llm user already has: ``DataContext.checkpoint_config`` with an id column,
 ``read_parquet`` of several files, the processor, ``write_parquet``. Run it, kill it, run it
 again: the rerun skips the ids whose output was written. The engine is an OpenAI-compatible
-endpoint (``--url``). Used by tests/e2e/test_ray_checkpoints.py.
+endpoint (``--url``). Ray: a local one of 2 CPUs that this process starts (and a kill of its
+process group ends), or the cluster at ``--address``. Used by tests/e2e/test_ray_checkpoints.py.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ def main() -> int:
     parser.add_argument("--inputs", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--checkpoint", required=True)
+    parser.add_argument("--address", help="join the Ray cluster at this address (default: start a local Ray)")
     args = parser.parse_args()
 
     import ray
@@ -28,8 +30,11 @@ def main() -> int:
     os.environ.pop("RAY_ADDRESS", None)
     from llmbatch import startlog
 
-    with startlog.timed("ray-cluster", cpus=2):
-        ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
+    if args.address:
+        ray.init(address=args.address, logging_level="ERROR")
+    else:
+        with startlog.timed("ray-cluster", cpus=2):
+            ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False
     ctx.checkpoint_config = CheckpointConfig(id_column="id", checkpoint_path=args.checkpoint)

@@ -2,9 +2,11 @@
 
 The seeds' checkpoint example (``tests/e2e/checkpoint_run.py``: 400 rows in 8 Parquet files ->
 processor -> ``write_parquet``, ``DataContext.checkpoint_config`` with ``id_column="id"``) on a
-2-CPU Ray, against the fake OpenAI-compatible server: SIGKILLed once some output files exist,
-then run again; across both runs the written output holds every id exactly once (the rerun
-skips what the first run wrote, and Ray drops the files of writes it had not committed).
+2-CPU Ray of its own, against the fake OpenAI-compatible server: SIGKILLed with that Ray once
+some output files exist, then run again on the worker's session cluster (``ray_cluster``: a
+Ray that is already there, as the first run's is gone); across both runs the written output
+holds every id exactly once (the rerun skips what the first run wrote, and Ray drops the files
+of writes it had not committed).
 Rows the endpoint always refuses are error rows: written once, with their reason, and, as
 with Ray, checkpointed like the rest (a rerun does not ask for them again).
 """
@@ -63,7 +65,7 @@ def attempts(base: str) -> int:
     return json.loads(urllib.request.urlopen(f"{base}/stats", timeout=10).read())["attempts"]
 
 
-def test_a_killed_checkpointed_run_reruns_without_losing_or_repeating_an_id(server, tmp_path):
+def test_a_killed_checkpointed_run_reruns_without_losing_or_repeating_an_id(ray_cluster, server, tmp_path):
     import pandas as pd
 
     inputs = tmp_path / "inputs"
@@ -96,7 +98,9 @@ def test_a_killed_checkpointed_run_reruns_without_losing_or_repeating_an_id(serv
 
     base = server.removesuffix("/v1/chat/completions")
     asked_first = attempts(base)
-    second = subprocess.run(cmd, stdout=open(log, "ab"), stderr=subprocess.STDOUT, env=env, timeout=900)
+    # the rerun joins the worker's cluster: no second Ray start (the killed run's Ray is gone with it)
+    second = subprocess.run([*cmd, "--address", ray_cluster], stdout=open(log, "ab"), stderr=subprocess.STDOUT,
+                            env=env, timeout=900)
     assert second.returncode == 0, log.read_text()[-4000:]
     rows = written(out)
     assert sorted(rows) == list(range(ROWS)), f"{ROWS - len(rows)} ids lost"
