@@ -95,37 +95,6 @@ def run_example(*args):
 # ---------------------------------------------------------------------------- processor API
 
 
-def test_seeds_embedding_example_matches_sentence_transformers(ray_cluster, minilm):
-    import ray
-
-    from llmbatch import build_processor, vLLMEngineProcessorConfig
-
-    # Ray's embedding example, with only the import and the model changed
-    embedding_config = vLLMEngineProcessorConfig(
-        model_source="all-minilm-l6-v2",
-        task_type="embed",
-        engine_kwargs=dict(enable_prefix_caching=False, enable_chunked_prefill=False, max_model_len=256,
-                           enforce_eager=True),
-        batch_size=32,
-        concurrency=1,
-        chat_template_stage=False,
-        detokenize_stage=False,
-    )
-    embedding_processor = build_processor(
-        embedding_config,
-        preprocess=lambda row: dict(prompt=row["text"]),
-        postprocess=lambda row: {"text": row["prompt"], "embedding": row["embeddings"]},
-    )
-    ds = ray.data.from_items([{"text": text} for text in TEXTS])
-    out = {r["text"]: np.asarray(r["embedding"], dtype=np.float32) for r in embedding_processor(ds).take_all()}
-    assert sorted(out) == sorted(TEXTS)
-    ref = reference_embeddings(minilm, TEXTS)
-    got = np.stack([out[t] for t in TEXTS])
-    cosines = (got * ref).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(ref, axis=1)
-    assert cosines.min() >= 0.999, cosines.min()
-    assert np.allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-3)  # normalised, as the model's config says
-
-
 def test_seeds_classification_example_matches_transformers(ray_cluster, test_models):
     import ray
 
@@ -199,6 +168,40 @@ def test_score_example(ray_cluster, minilm, example_csv, tmp_path):
     assert [set(r) for r in rows] == [{"Index", "Company", "Website", "score"}] * 12
     assert all(-1.0 <= r["score"] <= 1.0 for r in rows)  # a bi-encoder's cosine
     assert sorted(r["Index"] for r in rows) == list(range(1, 13))
+
+
+# the last of the processor tests: the first job below (test_embed_job_from_the_cli_resumes_after_a_lost_part)
+# runs the same engine right after it, warm (with other engines between the two, a machine short of memory
+# stopped it once and the job started it again)
+def test_seeds_embedding_example_matches_sentence_transformers(ray_cluster, minilm):
+    import ray
+
+    from llmbatch import build_processor, vLLMEngineProcessorConfig
+
+    # Ray's embedding example, with only the import and the model changed
+    embedding_config = vLLMEngineProcessorConfig(
+        model_source="all-minilm-l6-v2",
+        task_type="embed",
+        engine_kwargs=dict(enable_prefix_caching=False, enable_chunked_prefill=False, max_model_len=256,
+                           enforce_eager=True),
+        batch_size=32,
+        concurrency=1,
+        chat_template_stage=False,
+        detokenize_stage=False,
+    )
+    embedding_processor = build_processor(
+        embedding_config,
+        preprocess=lambda row: dict(prompt=row["text"]),
+        postprocess=lambda row: {"text": row["prompt"], "embedding": row["embeddings"]},
+    )
+    ds = ray.data.from_items([{"text": text} for text in TEXTS])
+    out = {r["text"]: np.asarray(r["embedding"], dtype=np.float32) for r in embedding_processor(ds).take_all()}
+    assert sorted(out) == sorted(TEXTS)
+    ref = reference_embeddings(minilm, TEXTS)
+    got = np.stack([out[t] for t in TEXTS])
+    cosines = (got * ref).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(ref, axis=1)
+    assert cosines.min() >= 0.999, cosines.min()
+    assert np.allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-3)  # normalised, as the model's config says
 
 
 # ---------------------------------------------------------------------------- job files and the CLI
