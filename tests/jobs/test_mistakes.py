@@ -5,8 +5,11 @@ traceback, and leaves nothing behind (no job directory, no output folder).
 The CLI's own entry point runs in the test process (``tests/inproc.py``), where the start-up
 ledger (``LLMBATCH_START_LOG``) shows that nothing started; a case runs in a process of its own
 where the process is the point: file permissions a root process gives up before it runs
-(``unprivileged``), and variables read once at import (``HF_HUB_OFFLINE``). The cases of one
-such kind share one process (``tests/cli_cases.py``), each in its own folder.
+(``unprivileged``), and variables read once at import (``HF_HUB_OFFLINE``). Those cases share
+one process (``tests/cli_cases.py``), each in its own folder: one that gave up those permissions
+and has every such variable set. Neither touches what the other cases check: the unprivileged
+cases name an offline alias (found in the local cache, offline or not), and the offline cases
+read and write only files this process owns.
 """
 
 from __future__ import annotations
@@ -161,21 +164,24 @@ def _llmbatch(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     return proc
 
 
-def _apart(case: Mistake) -> tuple[bool, tuple[tuple[str, str], ...]] | None:
-    """What a case needs its own process for (None: nothing): the cases that need the same share one."""
-    return (case.unprivileged, tuple(sorted(case.env.items()))) if case.unprivileged or case.env else None
+def _apart(case: Mistake) -> bool:
+    """Whether a case needs a process of its own (see the module's text)."""
+    return case.unprivileged or bool(case.env)
 
 
 @pytest.fixture(scope="module")
 def apart(tmp_path_factory):
-    """``apart(name)``: the case's run, its folder's tree before and after, from one process per
-    kind of set-up (``_apart``) running all the cases of that kind, each in a folder of its own."""
+    """``apart(name)``: the case's run, its folder's tree before and after, from one process
+    running all the cases that need one (``_apart``), each in a folder of its own."""
     done: dict[str, tuple[subprocess.CompletedProcess, set[str], set[str]]] = {}
     roots: list[Path] = []
 
-    def run_kind(kind) -> None:
-        names = [name for name, case in MISTAKES.items() if _apart(case) == kind]
-        unprivileged, env = kind
+    def run_all() -> None:
+        names = [name for name, case in MISTAKES.items() if _apart(case)]
+        env: dict[str, str] = {}  # the variables read at import: the process's own
+        for name in names:
+            for key, value in MISTAKES[name].env.items():
+                assert env.setdefault(key, value) == value, f"two cases want {key} to differ: give them a process each"
         batch = tmp_path_factory.mktemp("apart")
         cases, befores = [], {}
         for name in names:
@@ -185,13 +191,14 @@ def apart(tmp_path_factory):
             case_env = _lay_out(MISTAKES[name], root)
             befores[name] = _tree(root)
             cases.append({"args": MISTAKES[name].args, "cwd": str(root),
-                          "env": {k: v for k, v in case_env.items() if k not in dict(env)}})
+                          "env": {k: v for k, v in case_env.items() if k not in env}})
         cases_path, results_path = batch / "cases.json", batch / "results.json"
         cases_path.write_text(json.dumps(cases))
+        unprivileged = any(MISTAKES[name].unprivileged for name in names)
         preexec = _obey_file_permissions if unprivileged and os.geteuid() == 0 else None
         child = subprocess.run([sys.executable, str(CLI_CASES), str(cases_path), str(results_path)],
                                capture_output=True, text=True, timeout=300, preexec_fn=preexec,
-                               env={**os.environ, "LLMBATCH_KEEP_WARM_S": "0", **dict(env)})
+                               env={**os.environ, "LLMBATCH_KEEP_WARM_S": "0", **env})
         assert child.returncode == 0 and results_path.exists(), \
             f"{CLI_CASES.name} failed:\n{child.stdout}{child.stderr}"
         results = json.loads(results_path.read_text())
@@ -201,8 +208,8 @@ def apart(tmp_path_factory):
             done[name] = (proc, befores[name], _tree(Path(case["cwd"])))
 
     def result(name: str):
-        if name not in done:
-            run_kind(_apart(MISTAKES[name]))
+        if not done:
+            run_all()
         return done[name]
 
     yield result
