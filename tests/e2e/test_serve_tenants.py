@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-
+from inproc import llmbatch
 from waiting import wait_for
 
 pytestmark = pytest.mark.e2e
@@ -117,9 +117,14 @@ def test_neither_tenant_reaches_the_others_files_or_batches(server):
     assert KEY_A.encode() not in database and KEY_B.encode() not in database
 
 
-def test_a_second_server_on_the_same_data_dir_is_refused(server):
-    second = subprocess.run(serve_cmd(server["root"] / "data", free_port(), server["key_file"]), env=server["env"],
-                            capture_output=True, text=True, timeout=180)
+def test_a_second_server_on_the_same_data_dir_is_refused(server, monkeypatch):
+    """The second server runs in the test process (tests/inproc.py: another process than the
+    first's, which is what the data dir's lock must see; no process of its own to start). It is
+    given the first one's port: a second server that the data dir did not refuse fails to listen
+    there (without the message asserted) instead of serving in the test process for ever."""
+    monkeypatch.delenv("LLMBATCH_API_KEYS", raising=False)
+    args = serve_cmd(server["root"] / "data", server["port"], server["key_file"])[3:]  # past `python -m llmbatch`
+    second = llmbatch(*args, env={"TMPDIR": server["env"]["TMPDIR"]})
     assert second.returncode != 0
     assert "another llmbatch serve" in second.stdout + second.stderr
 
