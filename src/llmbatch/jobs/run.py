@@ -34,7 +34,7 @@ from llmbatch.jobs.preflight import (
     remove_created,
 )
 from llmbatch.jobs.spec import JobSpec, load_job, redacted_spec
-from llmbatch.jobs.store import JobDir, input_fingerprint, same_input
+from llmbatch.jobs.store import JobDir, input_files, input_fingerprint, same_input
 from llmbatch.progress import Progress
 from llmbatch.redact import check_no_redacted, redact, redact_text
 from llmbatch.report import check_report_dependencies, write_report
@@ -149,9 +149,7 @@ def _long_read(path: str) -> bool:
     if "://" in path or least == 0:
         return True
     try:
-        if os.path.isdir(path):
-            return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file()) >= least
-        return os.path.getsize(path) >= least
+        return sum(os.path.getsize(f) for f in input_files(path)) >= least
     except OSError:
         return False  # the read reports what is missing
 

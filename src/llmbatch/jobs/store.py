@@ -59,15 +59,17 @@ def file_sha256(path: str) -> str:
     return digest.hexdigest()
 
 
+def input_files(path: str) -> list[str]:
+    """The files of an input: a local folder's files (hidden ones left out), else the path."""
+    if "://" not in path and os.path.isdir(path):
+        return sorted(str(p) for p in Path(path).rglob("*") if p.is_file() and not p.name.startswith("."))
+    return [path]
+
+
 def input_fingerprint(path: str) -> dict[str, Any]:
     """What identifies the input's content: per file, size, mtime and sha256."""
-    files: list[str]
-    if "://" not in path and os.path.isdir(path):
-        files = sorted(str(p) for p in Path(path).rglob("*") if p.is_file() and not p.name.startswith("."))
-    else:
-        files = [path]
     out = []
-    for f in files:
+    for f in input_files(path):
         # a name, never a URL's credentials or signed query
         name = os.path.relpath(f, path) if f != path else os.path.basename(urlsplit(f).path if "://" in f else f)
         entry: dict[str, Any] = {"file": name}
