@@ -119,3 +119,73 @@ def test_a_size_for_ray_beside_the_read_that_is_no_number_fails_naming_the_varia
     monkeypatch.setenv(run_module.LONG_READ_ENV, "16MiB")
     with pytest.raises(ConfigError, match="LLMBATCH_RAY_BESIDE_INPUT_BYTES='16MiB' is not a whole number of bytes"):
         run_module._long_read(str(tmp_path / "in.csv"))
+
+
+@pytest.mark.parametrize("address", ["10.0.0.9:6379", None])
+def test_a_ray_that_cannot_start_or_be_joined_fails_with_its_reason_and_what_to_do(monkeypatch, address):
+    """Ray's own start-up waits bound ray.init (its GCS connection, the raylet); what it raises
+    reaches the user as one llmbatch error naming the cluster and the fix, not a traceback."""
+    import ray
+
+    from llmbatch.errors import ResourceError
+
+    def failing_init(**_kwargs):
+        raise ConnectionError("Failed to connect to GCS within 60 seconds. GCS may have been killed.\nmore lines")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", failing_init)
+    monkeypatch.setattr(cluster, "check_reachable", lambda _address: None)  # Ray's join is what fails here
+    if address:
+        monkeypatch.setenv("RAY_ADDRESS", address)
+    else:
+        monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    with pytest.raises(ResourceError) as caught:
+        cluster.ensure_ray()
+    said = str(caught.value)
+    assert "Failed to connect to GCS within 60 seconds" in said and "more lines" not in said, said
+    if address:
+        assert f"could not join the Ray cluster at {address} (RAY_ADDRESS)" in said and "unset RAY_ADDRESS" in said
+    else:
+        assert "Ray could not start on this machine" in said and "ray start --head" in said
+    assert isinstance(caught.value.__cause__, ConnectionError)
+
+
+def test_an_address_where_nothing_listens_fails_at_once_instead_of_ray_retrying_without_end(monkeypatch):
+    """A real socket: nothing listens at the port; Ray's own join would retry for minutes. The
+    join fails within the set wait, naming the address and the variable, and Ray is not started."""
+    import socket
+    import time
+
+    import ray
+
+    from llmbatch.errors import ResourceError
+
+    with socket.socket() as s:  # a port that was free a moment ago: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **_kwargs: pytest.fail("ray.init ran for an address nobody listens at"))
+    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
+    monkeypatch.setenv(cluster.JOIN_TIMEOUT_ENV, "1")
+    began = time.monotonic()
+    with pytest.raises(ResourceError) as caught:
+        cluster.ensure_ray()
+    assert time.monotonic() - began < 30
+    said = str(caught.value)
+    assert f"could not join the Ray cluster at 127.0.0.1:{port} (RAY_ADDRESS)" in said, said
+    assert "nothing accepted a connection there within 1 s" in said and cluster.JOIN_TIMEOUT_ENV in said, said
+    monkeypatch.setenv(cluster.JOIN_TIMEOUT_ENV, "soon")
+    with pytest.raises(Exception, match="LLMBATCH_RAY_JOIN_TIMEOUT_S='soon' is not a number of seconds"):
+        cluster.ensure_ray()
+
+
+def test_an_address_that_accepts_connections_is_left_to_ray(monkeypatch):
+    import socket
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        cluster.check_reachable(f"127.0.0.1:{listener.getsockname()[1]}")  # returns: Ray's to join
+        cluster.check_reachable(f"ray://127.0.0.1:{listener.getsockname()[1]}")
+    cluster.check_reachable("auto")  # Ray resolves these itself
+    cluster.check_reachable("local")

@@ -10,14 +10,21 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 from typing import Any
 
 from llmbatch import startlog
+from llmbatch.env import env_number
 from llmbatch.errors import ResourceError
 
 logger = logging.getLogger(__name__)
+
+#: Seconds a cluster's address gets to accept a connection before joining it fails (its head
+#: may still be starting); ``LLMBATCH_RAY_JOIN_TIMEOUT_S`` sets another.
+JOIN_TIMEOUT_S = 30.0
+JOIN_TIMEOUT_ENV = "LLMBATCH_RAY_JOIN_TIMEOUT_S"
 
 
 def ensure_ray(**init_kwargs) -> bool:
@@ -36,12 +43,61 @@ def ensure_ray(**init_kwargs) -> bool:
     # ray.init makes SIGTERM sys.exit(15) in the driver; a handler of the process's own (run_job's:
     # stop cleanly, as Ctrl-C does) stays
     own = signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
-    joined = bool(os.environ.get("RAY_ADDRESS") or kwargs.get("address"))
+    address = kwargs.get("address") or os.environ.get("RAY_ADDRESS")
+    joined = bool(address)
     with startlog.timed("ray-init", joined=joined):
-        ray.init(**kwargs)
+        if address:
+            check_reachable(address)
+        try:
+            ray.init(**kwargs)
+        except Exception as exc:  # noqa: BLE001 - Ray's own reason, with what to do about it
+            raise ResourceError(ray_start_failed(exc, address)) from exc
     if callable(own):
         signal.signal(signal.SIGTERM, own)
     return not joined
+
+
+def _seconds(raw: str) -> float:
+    value = float(raw)
+    if not value > 0:
+        raise ValueError(raw)
+    return value
+
+
+def check_reachable(address: str) -> None:
+    """Fail, naming the address, where nothing accepts a connection at a cluster's ``host:port``
+    (``ray://host:port`` too) within :data:`JOIN_TIMEOUT_S`: Ray's own join retries an
+    unreachable address without end (a mistyped ``RAY_ADDRESS`` waited over two minutes, still
+    retrying). ``auto`` and ``local`` are Ray's to resolve."""
+    timeout_s = env_number(JOIN_TIMEOUT_ENV, JOIN_TIMEOUT_S, _seconds, "a number of seconds above 0", "60")
+    target = address.strip().removeprefix("ray://")
+    host, sep, port = target.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        return
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=min(5.0, timeout_s)):
+                return
+        except OSError as exc:
+            if time.monotonic() >= deadline:
+                raise ResourceError(ray_start_failed(
+                    OSError(f"nothing accepted a connection there within {timeout_s:g} s ({exc}; "
+                            f"{JOIN_TIMEOUT_ENV} sets the wait)"), address)) from exc
+        time.sleep(0.5)
+
+
+def ray_start_failed(exc: BaseException, address: str | None) -> str:
+    """What a failed ``ray.init`` says: Ray's reason (its first line), and what to do."""
+    reason = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+    if address:
+        return (f"could not join the Ray cluster at {address} (RAY_ADDRESS): {reason}. Check that the "
+                "cluster's head is up and reachable from this machine (`ray status` there), or unset "
+                "RAY_ADDRESS to run on this machine alone")
+    return (f"Ray could not start on this machine: {reason}. Ray's logs are under its temp folder "
+            "(/tmp/ray/session_latest/logs unless RAY_TMPDIR says another); a machine short of memory, "
+            "of /tmp space or of CPU starts Ray slowly: free some and run again, or start Ray yourself "
+            "(`ray start --head`) and set RAY_ADDRESS=auto")
 
 
 class RayStart:
