@@ -4,7 +4,7 @@ import threading
 
 import pytest
 
-from llmbatch import cluster
+from llmbatch import cluster, startlog
 
 
 def test_ray_starts_on_another_thread_and_wait_returns_once_it_is_up(monkeypatch):
@@ -41,13 +41,17 @@ def test_an_abandoned_start_stops_the_ray_it_began_and_only_that(monkeypatch):
 
     stopped = []
     monkeypatch.setattr(ray, "init", lambda **_kwargs: None)  # ensure_ray decides; no Ray starts
+    monkeypatch.delenv(startlog.ENV, raising=False)  # nor is one counted in the suite's ledger
     monkeypatch.setattr(ray, "shutdown", lambda: stopped.append(True))
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     cluster.RayStart().abandon()  # a local cluster this start began: stopped
     assert stopped == [True]
     monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")
-    cluster.RayStart().abandon()  # joined through an address: stays
+    monkeypatch.setattr(cluster, "check_reachable", lambda _address: None)  # as if a head listened there
+    start = cluster.RayStart()
+    start.abandon()  # joined through an address: stays
+    assert start.wait() and not start.began_local
     monkeypatch.delenv("RAY_ADDRESS")
     monkeypatch.setattr(ray, "is_initialized", lambda: True)
     cluster.RayStart().abandon()  # up before (a notebook's own ray.init): stays
@@ -134,6 +138,7 @@ def test_a_ray_that_cannot_start_or_be_joined_fails_with_its_reason_and_what_to_
 
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", failing_init)
+    monkeypatch.delenv(startlog.ENV, raising=False)  # no Ray starts: none counted in the suite's ledger
     monkeypatch.setattr(cluster, "check_reachable", lambda _address: None)  # Ray's join is what fails here
     if address:
         monkeypatch.setenv("RAY_ADDRESS", address)
@@ -165,6 +170,7 @@ def test_an_address_where_nothing_listens_fails_at_once_instead_of_ray_retrying_
         port = s.getsockname()[1]
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", lambda **_kwargs: pytest.fail("ray.init ran for an address nobody listens at"))
+    monkeypatch.delenv(startlog.ENV, raising=False)
     monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
     monkeypatch.setenv(cluster.JOIN_TIMEOUT_ENV, "1")
     began = time.monotonic()
