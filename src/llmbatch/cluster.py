@@ -51,7 +51,8 @@ def ensure_ray(**init_kwargs) -> bool:
         try:
             ray.init(**kwargs)
         except Exception as exc:  # noqa: BLE001 - Ray's own reason, with what to do about it
-            raise ResourceError(ray_start_failed(exc, address)) from exc
+            reason = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+            raise ResourceError(ray_start_failed(reason, address)) from exc
     if callable(own):
         signal.signal(signal.SIGTERM, own)
     return not joined
@@ -82,14 +83,13 @@ def check_reachable(address: str) -> None:
         except OSError as exc:
             if time.monotonic() >= deadline:
                 raise ResourceError(ray_start_failed(
-                    OSError(f"nothing accepted a connection there within {timeout_s:g} s ({exc}; "
-                            f"{JOIN_TIMEOUT_ENV} sets the wait)"), address)) from exc
+                    f"nothing accepted a connection there within {timeout_s:g} s ({exc}; "
+                    f"{JOIN_TIMEOUT_ENV} sets the wait)", address)) from exc
         time.sleep(0.5)
 
 
-def ray_start_failed(exc: BaseException, address: str | None) -> str:
-    """What a failed ``ray.init`` says: Ray's reason (its first line), and what to do."""
-    reason = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+def ray_start_failed(reason: str, address: str | None) -> str:
+    """What a failed start or join of Ray says: the reason, and what to do."""
     if address:
         return (f"could not join the Ray cluster at {address} (RAY_ADDRESS): {reason}. Check that the "
                 "cluster's head is up and reachable from this machine (`ray status` there), or unset "
