@@ -22,10 +22,7 @@ from llmbatch.codec import STATE_COLUMN
 from llmbatch.config import (
     ProcessorConfig,
     StageConfig,
-    vLLMEngineProcessorConfig,
 )
-from llmbatch.engines import vllm_procs
-from llmbatch.engines.settings import EngineKwargs
 from llmbatch.errors import ConfigError, ResourceError
 from llmbatch.placement import (
     DEFAULT_STAGE_NUM_CPUS,
@@ -241,7 +238,6 @@ class Processor:
         import ray.data
 
         lay = self.layout
-        start_engine_server(self.config)  # vLLM's imports for the engines begin before Ray's start
         ensure_ray()
         cluster = ray.cluster_resources()
         if lay.accelerator_type:
@@ -316,15 +312,6 @@ class Processor:
         if remote_fn is not None:
             kwargs["ray_remote_args_fn"] = remote_fn
         return kwargs
-
-
-def start_engine_server(config: ProcessorConfig) -> None:
-    """In the driver, as a run begins: the fork server that the run's vLLM replicas on this
-    machine fork their engine processes from, importing vLLM while Ray, the input's read and
-    the replicas start (``engines.vllm_procs.serve_replicas``; the engine stage's ``prepare``
-    hands its address to the replicas)."""
-    if isinstance(config, vLLMEngineProcessorConfig):
-        vllm_procs.serve_replicas(EngineKwargs(config.engine_kwargs))
 
 
 def _joins_datasets(ds) -> bool:

@@ -101,8 +101,6 @@ class VLLMEngine(Engine):
         self._begun_at: float | None = None  # when begin() first ran for the next start
         #: whether vLLM's engine process comes from a warm fork server (engines/vllm_procs.py)
         self._fork_server: bool | None = None
-        #: the driver's fork server, where the driver runs one for its replicas (:meth:`prepare`)
-        self.fork_server_at: dict[str, Any] | None = None
 
     def warm_key(self, gpu: bool = False) -> str:
         """What makes two of these engines interchangeable (a warm engine host serves every run
@@ -137,17 +135,10 @@ class VLLMEngine(Engine):
             await self._start()
         self.log.take_loggers()
 
-    def prepare(self) -> None:
-        """In the driver, as the run begins: the fork server the replicas on this machine fork
-        their engine processes from, already importing vLLM while Ray and the replicas start
-        (:func:`vllm_procs.serve_replicas`; None where they cannot use one)."""
-        self.fork_server_at = vllm_procs.serve_replicas(self.settings.engine_kwargs)
-
     def begin(self) -> None:
         """Launch what the engine's start will use, without waiting for it: the fork server
-        its engine process comes from, once per replica (the driver's, where it runs on this
-        machine, else one the replica starts: it imports vLLM in the background); then import
-        what the start shares with the other stages' (:func:`shared_imports`)."""
+        its engine process comes from (it imports vLLM in the background), once per replica;
+        then import what the start shares with the other stages' (:func:`shared_imports`)."""
         if self._begun_at is None:
             self._begun_at = time.time()
         if self.log is None:
@@ -158,8 +149,7 @@ class VLLMEngine(Engine):
                 self._fork_server = vllm_procs.wanted(self.settings.engine_kwargs)
                 if self._fork_server:
                     engine_env()
-                    self._fork_server = (vllm_procs.join_server(self.fork_server_at)
-                                         or vllm_procs.start_server())
+                    self._fork_server = vllm_procs.start_server()
         shared_imports()
 
     async def _start(self) -> None:

@@ -34,14 +34,11 @@ TASK_RUNNERS = {
 }
 
 
-#: The environment llmbatch gives vLLM unless the user set it (quiet, no usage reports).
-ENGINE_ENV = {"VLLM_LOGGING_LEVEL": "ERROR", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
-
-
 def engine_env() -> None:
-    """Set :data:`ENGINE_ENV` where the user did not."""
-    for key, value in ENGINE_ENV.items():
-        os.environ.setdefault(key, value)
+    """The environment llmbatch gives vLLM unless the user set it (quiet, no usage reports)."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    os.environ.setdefault("DO_NOT_TRACK", "1")
 
 
 def import_vllm():

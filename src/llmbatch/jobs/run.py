@@ -35,7 +35,6 @@ from llmbatch.jobs.preflight import (
 )
 from llmbatch.jobs.spec import JobSpec, load_job, redacted_spec
 from llmbatch.jobs.store import JobDir, input_files, input_fingerprint, same_input
-from llmbatch.processor import start_engine_server
 from llmbatch.progress import Progress
 from llmbatch.redact import check_no_redacted, redact, redact_text
 from llmbatch.report import check_report_dependencies, write_report
@@ -229,7 +228,6 @@ def _run_locked(job: Job, *, retry_errors: bool, report: bool, quiet: bool, tty:
     ingest_s = None
     ray_start = None
     if not meta.ingested:
-        start_engine_server(job.config)  # vLLM's imports for the engines begin beside the read
         # Ray starts beside a long first read of the input (a large or remote one)
         ray_start = RayStart(log_to_driver=False) if _long_read(job.spec.input.path) else None
         ingest_began = time.time()
@@ -261,7 +259,6 @@ def _run_locked(job: Job, *, retry_errors: bool, report: bool, quiet: bool, tty:
     progress.start()
     try:
         if todo.any():
-            start_engine_server(job.config)  # (a resumed job's first start: before Ray's)
             if ray_start is not None:  # begun beside the input's read: waited for where the rows need Ray
                 progress.set_phase("starting Ray")
                 progress.marks.update(ray_start.wait())
