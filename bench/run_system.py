@@ -39,10 +39,14 @@ def engine_kwargs(args) -> dict:
           "max_num_batched_tokens": args.max_num_batched_tokens}
     if args.device == "cpu":
         kw.update(enforce_eager=True, kv_cache_memory_bytes=args.kv_cache_gib * GiB)
-        from llmbatch.engines.vllm_setup import native_bf16
+        if args.dtype:  # decided by the caller (throughput.py, for systems on another llmbatch tree)
+            if args.dtype != "auto":
+                kw["dtype"] = args.dtype
+        else:
+            from llmbatch.engines.vllm_setup import native_bf16
 
-        if not native_bf16():  # the float32 llmbatch picks on such a CPU, pinned for every system
-            kw["dtype"] = "float32"
+            if not native_bf16():  # the float32 llmbatch picks on such a CPU, pinned for every system
+                kw["dtype"] = "float32"
     else:
         kw.update(gpu_memory_utilization=args.gpu_memory_utilization)
     if args.load_format:
@@ -101,12 +105,18 @@ def run_llmbatch(rows, model_path, args) -> dict:
     config = vLLMEngineProcessorConfig(model_source=model_path, engine_kwargs=engine_kwargs(args),
                                        batch_size=args.batch_size, concurrency=args.concurrency,
                                        dedup_requests=not args.no_dedup, sort_by_prefix=not args.no_sort)
-    from llmbatch.builders import build_layout
-    from llmbatch.processor import Processor
-    from llmbatch.stages.output import OutputStage
     from llmbatch.rows import STATS
 
-    processor = Processor(config, build_layout(config, output=OutputStage(keep_private=(STATS,))))
+    try:
+        from llmbatch.builders import build_layout
+        from llmbatch.processor import Processor
+        from llmbatch.stages.output import OutputStage
+
+        processor = Processor(config, build_layout(config, output=OutputStage(keep_private=(STATS,))))
+    except ImportError:  # an older llmbatch tree (throughput.py's NAME@TAG systems)
+        from llmbatch import build_processor
+
+        processor = build_processor(config, keep_private=(STATS,))
     result = _collect(processor(ray.data.from_items(rows)), args.out_parquet)
     ray.shutdown()
     return result
@@ -295,6 +305,8 @@ def main() -> None:
     p.add_argument("--kv-cache-gib", type=int, default=2)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     p.add_argument("--load-format", default=None)
+    p.add_argument("--dtype", default=None, help="the engine's dtype for this run ('auto': vLLM's); default on a "
+                   "CPU: float32 where it has no native bfloat16, as llmbatch picks")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--concurrency", type=int, default=1)
     p.add_argument("--no-dedup", action="store_true")

@@ -3,6 +3,11 @@
     python bench/throughput.py                          # 500 unique prompts: vLLM vs llmbatch
     python bench/throughput.py --workloads unique,customers,duplicates,mixed --systems vllm,llmbatch,ray
     python bench/throughput.py --merge r1.json r2.json r3.json  # one table from several calls' --json-out
+    python bench/throughput.py --systems vllm,llmbatch,llmbatch@old --src old=/tmp/old/src  # older code beside
+
+A system ``NAME@TAG`` is system NAME run on the llmbatch source tree ``--src TAG=DIR`` (put first
+on the child's ``PYTHONPATH``; everything else, ``run_system.py`` and its pinned settings
+included, is this tree's): old and new code in the same interleaved rounds.
 
 Each (workload, system) runs in a fresh process (``run_system.py``), on the same model,
 prompts and pinned engine settings; every system writes its answers to a Parquet file.
@@ -32,13 +37,17 @@ HERE = Path(__file__).resolve().parent
 
 def run_one(system: str, workload: str, args, extra: list[str]) -> dict:
     out = Path(tempfile.mkdtemp(prefix="llmbatch-bench-")) / "result.json"
-    cmd = [sys.executable, str(HERE / "run_system.py"), "--system", system, "--workload", workload,
+    name, _, tag = system.partition("@")
+    cmd = [sys.executable, str(HERE / "run_system.py"), "--system", name, "--workload", workload,
            "--rows", str(args.rows), "--model", args.model, "--device", args.device, "--out", str(out),
            "--max-model-len", str(args.max_model_len), "--batch-size", str(args.batch_size), *extra]
     if args.load_format:
         cmd += ["--load-format", args.load_format]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
     env.pop("RAY_ADDRESS", None)
+    if tag:  # another llmbatch tree: first on the path (Ray's workers inherit the variable)
+        src = str(Path(args.src[tag]).resolve())
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH", "")) if p)
     log = out.with_name("run.log")
     with open(log, "w") as fh:  # a file, not a pipe: engine processes that outlive a run cannot block us
         proc = subprocess.run(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, timeout=args.timeout,
@@ -46,7 +55,10 @@ def run_one(system: str, workload: str, args, extra: list[str]) -> dict:
     if proc.returncode != 0 or not out.exists():
         tail = log.read_text()[-3000:]
         return {"system": system, "workload": workload, "error": f"exit {proc.returncode} (log {log}): {tail}"}
-    return json.loads(out.read_text())
+    result = json.loads(out.read_text())
+    if tag:
+        result.update(system=system, src=args.src[tag])
+    return result
 
 
 def summary(runs: list[dict]) -> dict:
@@ -109,10 +121,22 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=3, help="runs per system, interleaved, order turning each round")
     p.add_argument("--rows-per-workload", default="", help="e.g. mixed=120,dates=300 (others use --rows)")
     p.add_argument("--merge", nargs="+", help="print one table from the --json-out files of several calls")
+    p.add_argument("--src", action="append", default=[], metavar="TAG=DIR",
+                   help="an llmbatch source tree (its src/ folder) for systems named NAME@TAG")
     args = p.parse_args()
+    args.src = dict(item.split("=", 1) for item in args.src)
+    for system in args.systems.split(","):
+        if "@" in system and system.partition("@")[2] not in args.src:
+            p.error(f"system {system}: no --src {system.partition('@')[2]}=DIR")
     if args.merge:
         return merge(args.merge)
     systems = args.systems.split(",")
+    extra = args.extra.split()
+    if args.device == "cpu" and any("@" in s for s in systems) and "--dtype" not in extra:
+        # run_system.py asks llmbatch which dtype to pin; an older tree may not know: decided here
+        from llmbatch.engines.vllm_setup import native_bf16
+
+        extra += ["--dtype", "auto" if native_bf16() else "float32"]
     per_workload = dict(item.split("=") for item in args.rows_per_workload.split(",") if item)
     results = []
     for workload in args.workloads.split(","):
@@ -120,7 +144,7 @@ def main() -> None:
         wargs = argparse.Namespace(**{**vars(args), "rows": int(per_workload.get(workload, args.rows))})
         for round_ in range(args.repeat):
             for system in (systems if round_ % 2 == 0 else systems[::-1]):
-                r = run_one(system, workload, wargs, args.extra.split())
+                r = run_one(system, workload, wargs, extra)
                 r["round"] = round_ + 1
                 runs[system].append(r)
                 results.append(r)
