@@ -13,8 +13,10 @@ first process (what Ray's start and the replica's placement take before a replic
   ``AsyncLLM(client_addresses=...)`` (vLLM's mode for engines "managed externally").
 
 Prints seconds from the first process's start to the front-end ready and to its first answer,
-and the answer (greedy), for both. vLLM 0.32 (the CPU here); other versions may name these
-differently.
+and the answer (greedy), for both. Written on vLLM 0.32 (the CPU here); where
+``launch_core_engines`` takes no addresses (older vLLM) it uses those it yields. On the GPU kit
+(after ``bench/industry_gpu.sh install``): ``PYTHONPATH=/tmp/site python3
+bench/engine_attach_probe.py DIR --delay 11 --kwargs '{"gpu_memory_utilization": 0.85}'``.
 """
 
 from __future__ import annotations
@@ -38,14 +40,30 @@ def engine_config(model: str, kwargs: dict):
     return cfg, Executor.get_class(cfg)
 
 
+def _ipc_path() -> str:
+    try:
+        from vllm.utils.network_utils import get_open_zmq_ipc_path
+    except ImportError:  # older vLLM
+        from vllm.utils import get_open_zmq_ipc_path
+    return get_open_zmq_ipc_path()
+
+
 def launcher(model: str, kwargs: dict, attach: str) -> None:
-    from vllm.utils.network_utils import get_open_zmq_ipc_path
-    from vllm.v1.engine.utils import EngineZmqAddresses, launch_core_engines
+    import inspect
+
+    from vllm.v1.engine import utils as engine_utils
 
     cfg, executor = engine_config(model, kwargs)
-    addresses = EngineZmqAddresses(inputs=[get_open_zmq_ipc_path()], outputs=[get_open_zmq_ipc_path()])
-    with launch_core_engines(cfg, executor, False, addresses) as launch:
-        manager = launch.engine_manager
+    if "addresses" in inspect.signature(engine_utils.launch_core_engines).parameters:  # vLLM 0.32
+        addresses = engine_utils.EngineZmqAddresses(inputs=[_ipc_path()], outputs=[_ipc_path()])
+        launching = engine_utils.launch_core_engines(cfg, executor, False, addresses)
+    else:  # older vLLM: the addresses are made inside and yielded
+        launching = engine_utils.launch_core_engines(cfg, executor, False)
+    with launching as launch:
+        if isinstance(launch, tuple):
+            manager, _coordinator, addresses = launch
+        else:
+            manager, addresses = launch.engine_manager, launch.addresses
         with open(attach + ".tmp", "w") as fh:  # the front-end may bind now: the engine connects to it
             json.dump({"input_address": addresses.inputs[0], "output_address": addresses.outputs[0]}, fh)
         os.rename(attach + ".tmp", attach)
