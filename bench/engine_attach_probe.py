@@ -68,7 +68,7 @@ def launcher(model: str, kwargs: dict, attach: str) -> None:
             json.dump({"input_address": addresses.inputs[0], "output_address": addresses.outputs[0]}, fh)
         os.rename(attach + ".tmp", attach)
     sys.stdin.readline()  # the engine lives while this process does
-    manager.close()
+    (getattr(manager, "shutdown", None) or manager.close)()  # vLLM 0.32: shutdown
 
 
 async def front_end(model: str, kwargs: dict, attach: str | None, t0: float) -> dict:
