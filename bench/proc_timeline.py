@@ -3,73 +3,51 @@ command line and its CPU seconds over time (what a start-up waits for, process b
 
     python bench/proc_timeline.py OUT.json [--every 0.5] -- COMMAND...
 
-Runs COMMAND, samples /proc every ``--every`` seconds until it exits, writes
-``{"command", "started_at", "ended_at", "rc", "procs": {pid: {"ppid", "cmd", "first_seen",
-"created", "samples": [[t, cpu_s], ...]}}}`` (times in epoch seconds; ``created`` from the
-process's start time in /proc)."""
+Runs COMMAND, samples every process that was not running before it every ``--every`` seconds
+until it exits, writes ``{"command", "started_at", "ended_at", "rc", "procs": {pid: {"ppid",
+"cmd", "first_seen", "created", "samples": [[t, cpu_s], ...]}}}`` (epoch seconds; ``created`` is
+the process's own start time)."""
 
 from __future__ import annotations
 
+import argparse
 import json
-import os
 import subprocess
 import sys
 import time
 
-TICKS = os.sysconf("SC_CLK_TCK")
+import psutil
 
-
-def boot_time() -> float:
-    with open("/proc/stat") as fh:
-        for line in fh:
-            if line.startswith("btime"):
-                return float(line.split()[1])
-    return 0.0
-
-
-def snapshot(boot: float) -> dict[int, tuple]:
-    out = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as fh:
-                fields = fh.read().rsplit(")", 1)[1].split()
-            with open(f"/proc/{name}/cmdline", "rb") as fh:
-                cmd = fh.read().replace(b"\0", b" ").decode(errors="replace").strip()[:160]
-        except OSError:
-            continue
-        ppid, utime, stime, start = int(fields[1]), int(fields[11]), int(fields[12]), int(fields[19])
-        out[int(name)] = (ppid, cmd, (utime + stime) / TICKS, boot + start / TICKS)
-    return out
+FIELDS = ["ppid", "cmdline", "cpu_times", "create_time"]
 
 
 def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("out")
+    p.add_argument("--every", type=float, default=0.5)
     argv = sys.argv[1:]
-    every = 0.5
-    if "--every" in argv:
-        i = argv.index("--every")
-        every = float(argv[i + 1])
-        del argv[i:i + 2]
-    out, cmd = argv[0], argv[argv.index("--") + 1:]
-    boot = boot_time()
-    before = set(snapshot(boot))
+    if "--" not in argv:
+        p.error("the command to run goes after --")
+    args, cmd = p.parse_args(argv[:argv.index("--")]), argv[argv.index("--") + 1:]
+    before = set(psutil.pids())
     started = time.time()
     child = subprocess.Popen(cmd)
     procs: dict[int, dict] = {}
     while True:
         now = time.time()
-        for pid, (ppid, line, cpu, created) in snapshot(boot).items():
-            if pid in before:
+        for proc in psutil.process_iter(FIELDS):
+            info = proc.info
+            if proc.pid in before or info["cpu_times"] is None:
                 continue
-            entry = procs.setdefault(pid, {"ppid": ppid, "cmd": line, "first_seen": now, "created": created,
-                                           "samples": []})
+            line = " ".join(info["cmdline"] or [])[:160]
+            entry = procs.setdefault(proc.pid, {"ppid": info["ppid"], "cmd": line, "first_seen": now,
+                                                "created": info["create_time"], "samples": []})
             entry["cmd"] = line or entry["cmd"]
-            entry["samples"].append([round(now, 2), cpu])
+            entry["samples"].append([round(now, 2), info["cpu_times"].user + info["cpu_times"].system])
         if child.poll() is not None:
             break
-        time.sleep(every)
-    with open(out, "w") as fh:
+        time.sleep(args.every)
+    with open(args.out, "w") as fh:
         json.dump({"command": cmd, "started_at": started, "ended_at": time.time(), "rc": child.returncode,
                    "procs": procs}, fh)
     return child.returncode

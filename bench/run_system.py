@@ -39,14 +39,8 @@ def engine_kwargs(args) -> dict:
           "max_num_batched_tokens": args.max_num_batched_tokens}
     if args.device == "cpu":
         kw.update(enforce_eager=True, kv_cache_memory_bytes=args.kv_cache_gib * GiB)
-        if args.dtype:  # decided by the caller (throughput.py, for systems on another llmbatch tree)
-            if args.dtype != "auto":
-                kw["dtype"] = args.dtype
-        else:
-            from llmbatch.engines.vllm_setup import native_bf16
-
-            if not native_bf16():  # the float32 llmbatch picks on such a CPU, pinned for every system
-                kw["dtype"] = "float32"
+        if args.dtype and args.dtype != "auto":  # throughput.py's one choice for every system
+            kw["dtype"] = args.dtype
     else:
         kw.update(gpu_memory_utilization=args.gpu_memory_utilization)
     if args.load_format:
@@ -305,8 +299,8 @@ def main() -> None:
     p.add_argument("--kv-cache-gib", type=int, default=2)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     p.add_argument("--load-format", default=None)
-    p.add_argument("--dtype", default=None, help="the engine's dtype for this run ('auto': vLLM's); default on a "
-                   "CPU: float32 where it has no native bfloat16, as llmbatch picks")
+    p.add_argument("--dtype", default=None, help="the engine's dtype on a CPU (unset or 'auto': vLLM's); "
+                   "throughput.py pins one for every system")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--concurrency", type=int, default=1)
     p.add_argument("--no-dedup", action="store_true")

@@ -132,8 +132,9 @@ def main() -> None:
         return merge(args.merge)
     systems = args.systems.split(",")
     extra = args.extra.split()
-    if args.device == "cpu" and any("@" in s for s in systems) and "--dtype" not in extra:
-        # run_system.py asks llmbatch which dtype to pin; an older tree may not know: decided here
+    if args.device == "cpu" and "--dtype" not in extra:
+        # one dtype for every system, decided once here (an older tree may not know how): the
+        # float32 llmbatch picks on a CPU without native bfloat16
         from llmbatch.engines.vllm_setup import native_bf16
 
         extra += ["--dtype", "auto" if native_bf16() else "float32"]
