@@ -16,10 +16,11 @@ import textwrap
 import time
 from pathlib import Path
 
+import psutil
 import pyarrow.parquet as pq
 import pytest
 from inproc import llmbatch
-from own_cluster import engine_replicas
+from own_cluster import command_line
 from waiting import committed, wait_for
 
 from llmbatch.jobs.store import JobDir
@@ -191,24 +192,46 @@ def test_sigkill_at_three_points_and_sigint_then_resume_exactly_once(ray_cluster
     assert [r["state"] for r in runs][-2:] == ["stopped", "finished"]
 
 
+def job_replica_with_engine(job_dir: Path) -> psutil.Process | None:
+    """The replica the running job's driver names in its ``progress.json`` (``host:pid``, the
+    actor process, stages/engine.py) that hosts a vLLM engine below it on this machine: the
+    job's own, found by the job's record (a scan of the cluster's process table for actors with
+    an engine also finds those of earlier tests that are still going away, and is slow)."""
+    try:
+        names = json.loads(JobDir(job_dir).progress_path.read_text()).get("replicas", {})
+    except (OSError, ValueError):  # not written yet
+        return None
+    for name in names:
+        host, _, pid = name.rpartition(":")
+        if host != os.uname().nodename or not pid.isdigit():
+            continue
+        try:
+            proc = psutil.Process(int(pid))
+            below = proc.children(recursive=True)
+        except psutil.Error:
+            continue
+        if any("VLLM::EngineCore" in command_line(child) for child in below):
+            return proc
+    return None
+
+
 def test_engine_replica_killed_mid_run_loses_no_row(ray_cluster, smollm2, tmp_path):
     rows = 48
-    # the replica's own engine (no warm host): killing the replica kills its engine
-    job_file, job_dir = write_job(tmp_path, rows, long_tail=10, keep_warm_s=0)
+    # the replica's own engine (no warm host): killing the replica kills its engine; half the
+    # rows write long answers, so the job is still running when the first 16 are committed
+    job_file, job_dir = write_job(tmp_path, rows, long_tail=24, keep_warm_s=0)
     log = tmp_path / "driver.log"
     p = cli("run", str(job_file), "--quiet", log=log)
     wait_for(lambda: committed(job_dir) >= 16, BOUND_S, "first parts", p, step=POLL_S)
-    # the process table is read while Ray's workers and the suite's other processes come and go
-    # (one look under a load average of 13 found none): look again for a while before deciding
-    actors: list = []
+    replica: list = []
 
-    def found_one() -> bool:
-        actors[:] = engine_replicas("StageRunner")
-        return len(actors) == 1
+    def found() -> bool:
+        replica[:] = [job_replica_with_engine(job_dir)]
+        return replica[0] is not None
 
-    wait_for(found_one, 60, "this job's one replica with its engine", p, step=0.5)
+    wait_for(found, 60, "the replica named in progress.json, with its engine", p, step=0.2)
     assert committed(job_dir) < rows, "the job should still be running when its replica is killed"
-    actors[0].send_signal(signal.SIGKILL)
+    replica[0].send_signal(signal.SIGKILL)
     assert p.wait(timeout=BOUND_S) == 0, log.read_text()[-3000:]
     ok, errors = output_ids(job_dir)
     assert sorted(ok + errors) == list(range(1, rows + 1))
