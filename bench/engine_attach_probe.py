@@ -60,8 +60,8 @@ def launcher(model: str, kwargs: dict, attach: str) -> None:
     else:  # older vLLM: the addresses are made inside and yielded
         launching = engine_utils.launch_core_engines(cfg, executor, False)
     with launching as launch:
-        if isinstance(launch, tuple):
-            manager, _coordinator, addresses = launch
+        if isinstance(launch, tuple):  # (manager, coordinator, addresses[, tensor queue]: vLLM 0.26)
+            manager, addresses = launch[0], launch[2]
         else:
             manager, addresses = launch.engine_manager, launch.addresses
         with open(attach + ".tmp", "w") as fh:  # the front-end may bind now: the engine connects to it
