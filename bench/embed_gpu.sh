@@ -12,11 +12,11 @@ set -uo pipefail
 P=${1:?payload folder (src/, bench/)}; OUTDIR=${2:?output folder}; shift 2
 MODEL=${MODEL:-$PWD/.gpukit/minilm}; ROWS=${ROWS:-200000}; REPEATS=${REPEATS:-3}
 # rounds split over device calls (600 s each): WARMUP=0 after the first, SYSTEMS=llmbatch,vllm to
-# turn the order, TAG to keep each call's JSON
+# turn the order, TAG to keep each call's JSON; SRC: another llmbatch tree (its src/) for every system
 WARMUP=${WARMUP:-1}; SYSTEMS=${SYSTEMS:-vllm,llmbatch}; TAG=${TAG:-}
 # vLLM 0.26 on the kit has no flashinfer: its sampler check imports it unless told not to
 # (bench/industry_gpu.sh sets the same; without it every engine start failed there)
-export PYTHONPATH=/tmp/site:$P/src VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 \
+export PYTHONPATH=/tmp/site:${SRC:-$P/src} VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 \
        TRANSFORMERS_OFFLINE=1 RAY_USAGE_STATS_ENABLED=0 PYTHONUNBUFFERED=1
 unset RAY_ADDRESS
 mkdir -p "$OUTDIR"
