@@ -66,16 +66,15 @@ class Launch:
         return {"attach": self.attach_path, "key": self.key, "host": socket.gethostname(),
                 "launcher": self.proc.pid, "log": self.log_path}
 
-    def stop(self, timeout_s: float = 30.0) -> None:
-        """End the launcher (it stops what is left of its engine first) and remove its folder."""
+    def stop(self) -> None:
+        """Tell the launcher the job ended (its stdin closes) without waiting for it: it leaves
+        the engine to the replica that attached for a moment, stops what is left and removes its
+        folder on its own (a driver that waited here spent 5.4 s of every job's end)."""
         try:
             if self.proc.stdin is not None:
                 self.proc.stdin.close()
-            self.proc.wait(timeout=timeout_s)
-        except (OSError, subprocess.TimeoutExpired):
-            self.proc.kill()
-            self.proc.wait(timeout=timeout_s)
-        shutil.rmtree(os.path.dirname(self.attach_path), ignore_errors=True)
+        except OSError:
+            pass
 
 
 #: this driver's launched engines, by their settings' key (a job's processor finds its own)
@@ -321,6 +320,7 @@ def _launcher(spec: dict[str, Any]) -> None:
     while any(p.is_alive() for p in manager.processes) and time.monotonic() < deadline:
         time.sleep(0.1)
     _shutdown(manager)
+    shutil.rmtree(os.path.dirname(attach_path), ignore_errors=True)
 
 
 def _shutdown(manager: Any) -> None:
