@@ -299,8 +299,8 @@ def _launcher(spec: dict[str, Any]) -> None:
         else:  # older vLLM: the addresses are made inside and yielded
             launching = engine_utils.launch_core_engines(config, executor, log_stats)
         with launching as launched_:
-            if isinstance(launched_, tuple):
-                manager, _coordinator, addresses = launched_
+            if isinstance(launched_, tuple):  # (manager, coordinator, addresses[, tensor queue]: vLLM 0.26)
+                manager, addresses = launched_[0], launched_[2]
             else:
                 manager, addresses = launched_.engine_manager, launched_.addresses
         # the engine is ready: the replica's front-end binds these and the engine connects to them
