@@ -98,6 +98,15 @@ def build_layout(config: ProcessorConfig, preprocess: UserFn | None = None, post
 build_llm_processor = build_processor
 
 
+def vllm_settings(config: vLLMEngineProcessorConfig, engine_kwargs: EngineKwargs | None = None) -> VLLMSettings:
+    """The vLLM engine's settings from its config (the replica's engine, and one the job's
+    driver launches for it early: ``engines/vllm_early.py``)."""
+    return VLLMSettings(model_source=config.model_source, task_type=config.task_type,
+                        engine_kwargs=EngineKwargs(config.engine_kwargs) if engine_kwargs is None else engine_kwargs,
+                        dynamic_lora_loading_path=config.dynamic_lora_loading_path, concurrency=config.concurrency,
+                        detokenize_stage=config.detokenize_stage.enabled, log_engine_metrics=config.log_engine_metrics)
+
+
 @register(vLLMEngineProcessorConfig)
 def build_vllm_layout(config: vLLMEngineProcessorConfig, **kwargs: Any) -> Layout:
     """The vLLM layout: [preprocess] -> [multimodal] -> chat template -> tokenize -> vLLM ->
@@ -109,10 +118,7 @@ def build_vllm_layout(config: vLLMEngineProcessorConfig, **kwargs: Any) -> Layou
         remote_fn = _placement_group_fn(config)
         # the replica's workers live in its placement group: vLLM places them through Ray
         engine_kwargs.setdefault("distributed_executor_backend", "ray")
-    settings = VLLMSettings(model_source=config.model_source, engine_kwargs=engine_kwargs, task_type=config.task_type,
-                            dynamic_lora_loading_path=config.dynamic_lora_loading_path, concurrency=config.concurrency,
-                            detokenize_stage=config.detokenize_stage.enabled,
-                            log_engine_metrics=config.log_engine_metrics)
+    settings = vllm_settings(config, engine_kwargs)
     keep_warm_s = config.resolved_keep_warm_s()
     if keep_warm_s and (remote_fn is not None or not engine_kwargs.single_process()):
         keep_warm_s = 0.0  # a warm host serves engines of one device only (stages/warm.py)

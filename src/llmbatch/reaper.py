@@ -5,7 +5,9 @@ vLLM runs its engine in child processes of the replica. When Ray ends a replica 
 keep their memory (and, on a GPU, the GPU) until someone kills them. :func:`watch_children`
 starts a small reaper process, outside the replica's process group, that holds one end of a
 pipe whose other end only the replica holds: when the replica dies, for whatever reason, the
-pipe closes and the reaper kills the processes the replica had started.
+pipe closes and the reaper kills the processes the replica had started. A process another
+process started for the replica (vLLM's engine process, forked by the driver's fork server:
+``engines/vllm_procs.py``) is handed to the reaper through the same pipe (:func:`adopt`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ REFRESH_S = float(os.environ.get("LLMBATCH_REAPER_REFRESH_S", "2.0"))
 
 
 _WRITE_FD: int | None = None
+#: processes this one asked another to start, handed to its reaper (:func:`adopt`): psutil
+#: processes (each knows when it started, so a later process with its PID is not taken for it)
+_ADOPTED: list = []
 
 
 def watch_children() -> bool:
@@ -47,6 +52,38 @@ def watch_children() -> bool:
     os.set_inheritable(write_fd, False)  # only this process holds it: its death closes the pipe
     _WRITE_FD = write_fd
     return True
+
+
+def adopt(pid: int) -> None:
+    """End ``pid`` (and its descendants) with this process's children when this process dies,
+    though it is no descendant of this process; counted in :func:`family` too."""
+    import psutil
+
+    try:
+        _ADOPTED.append(psutil.Process(pid))
+    except psutil.Error:
+        return  # it ended already
+    if _WRITE_FD is not None:
+        try:
+            os.write(_WRITE_FD, b"%d\n" % pid)
+        except OSError:  # the reaper is gone: nothing watches this process's children either
+            pass
+
+
+def family() -> list:
+    """This process, its descendants and the processes it adopted with theirs (psutil
+    processes): what it holds of its machine."""
+    import psutil
+
+    me = psutil.Process()
+    procs = [me, *me.children(recursive=True)]
+    _ADOPTED[:] = [p for p in _ADOPTED if p.is_running()]
+    for adopted in _ADOPTED:
+        try:
+            procs += [adopted, *adopted.children(recursive=True)]
+        except psutil.Error:
+            continue
+    return procs
 
 
 def _descendants(pid: int) -> dict[int, object]:
@@ -80,13 +117,29 @@ def victims(known: dict[int, object]) -> list:
 def _reap(watched: int, read_fd: int) -> None:
     import select
 
+    import psutil
+
     known: dict[int, object] = {}
+    adopted: dict[int, object] = {}
+    pending = b""
     while True:
         ready, _, _ = select.select([read_fd], [], [], REFRESH_S)
-        if ready and not os.read(read_fd, 1):
-            break  # the replica is gone (or exited): its pipe end closed
+        if ready:
+            data = os.read(read_fd, 4096)
+            if not data:
+                break  # the replica is gone (or exited): its pipe end closed
+            *lines, pending = (pending + data).split(b"\n")  # adopted PIDs, one per line
+            for line in lines:
+                try:
+                    adopted[int(line)] = psutil.Process(int(line))
+                except (ValueError, psutil.Error):
+                    continue
         known.update(_descendants(watched))
+        for proc in adopted.values():
+            known[proc.pid] = proc
+            known.update(_descendants(proc.pid))
         known = {pid: p for pid, p in known.items() if p.is_running()}
+        adopted = {pid: p for pid, p in adopted.items() if p.is_running()}
     end_processes(victims(known), grace_s=3)
 
 

@@ -19,12 +19,12 @@ from typing import Any
 import numpy as np
 
 from llmbatch import startlog
-from llmbatch.engines import vllm_procs
+from llmbatch.engines import vllm_early, vllm_procs
 from llmbatch.engines.base import Engine, Request
 from llmbatch.engines.logs import EngineLog
 from llmbatch.engines.lora import Adapters, base_rows_apart
 from llmbatch.engines.pooling import as_vector, classification, cosine, pooling_params
-from llmbatch.engines.settings import VLLMSettings, max_model_len
+from llmbatch.engines.settings import VLLMSettings
 from llmbatch.engines.vllm_params import (
     completion_row,
     logprobs_rows,
@@ -34,20 +34,15 @@ from llmbatch.engines.vllm_params import (
 )
 from llmbatch.engines.vllm_setup import (
     KV_BYTES_ENV,
-    engine_arguments,
     engine_env,
     import_vllm,
     on_cpu,
     one_line,
     ray_stat_logger,
+    start_kwargs,
 )
 from llmbatch.errors import EngineStartError, RowValidationError, suggestion
-from llmbatch.models import (
-    id2label,
-    is_sequence_classifier,
-    load_tokenizer,
-    resolve_model,
-)
+from llmbatch.models import id2label, is_sequence_classifier, load_tokenizer
 from llmbatch.reaper import watch_children
 from llmbatch.rows import MEDIA_DIGEST, OPENAI, Row, int_list, text_pair, to_python
 
@@ -101,6 +96,10 @@ class VLLMEngine(Engine):
         self._begun_at: float | None = None  # when begin() first ran for the next start
         #: whether vLLM's engine process comes from a warm fork server (engines/vllm_procs.py)
         self._fork_server: bool | None = None
+        #: the engine the job's driver launched for this replica, once (engines/vllm_early.py)
+        self.early: dict[str, Any] | None = None
+        #: stops an attached engine (the front-end's shutdown leaves what it did not start)
+        self._detach = None
 
     def warm_key(self, gpu: bool = False) -> str:
         """What makes two of these engines interchangeable (a warm engine host serves every run
@@ -135,6 +134,10 @@ class VLLMEngine(Engine):
             await self._start()
         self.log.take_loggers()
 
+    def prepare(self) -> None:
+        """In the driver, as the run begins: the engine it launched for this replica, if any."""
+        self.early = vllm_early.launched(self.settings.model_source, self.settings.engine_kwargs, self.task_type)
+
     def begin(self) -> None:
         """Launch what the engine's start will use, without waiting for it: the fork server
         its engine process comes from (it imports vLLM in the background), once per replica;
@@ -144,6 +147,8 @@ class VLLMEngine(Engine):
         if self.log is None:
             self.log = EngineLog()
         watch_children()  # the engine's processes never outlive this replica
+        if self._fork_server is None and vllm_early.on_this_machine(self.early):
+            self._fork_server = False  # it attaches to the driver's engine: nothing to fork
         if self._fork_server is None:
             with self.log.capture():  # the server's output goes to the engine log
                 self._fork_server = vllm_procs.wanted(self.settings.engine_kwargs)
@@ -156,11 +161,11 @@ class VLLMEngine(Engine):
         vllm = self._vllm = import_vllm()
         from vllm.usage.usage_lib import UsageContext
 
-        self.model_path = resolve_model(self.model_source)
-        kwargs = engine_arguments(self.model_path, self.settings.engine_kwargs, self.task_type,
-                                  self.settings.max_replicas(), self.settings.dynamic_lora_loading_path)
-        if "max_model_len" not in kwargs and (length := max_model_len(self.model_source, self.settings.engine_kwargs)):
-            kwargs["max_model_len"] = length  # the tokenize stage's limit too: one number
+        self.model_path, kwargs = start_kwargs(self.settings)
+        early, self.early = self.early, None  # once: a restart starts the replica's own
+        at = vllm_early.attach(early, vllm_early.key_of(self.model_source, self.settings.engine_kwargs, self.task_type))
+        if at is not None:
+            kwargs = at["kwargs"]  # the engine's own: the front-end's config is the engine's
         stat_loggers = None
         if self.settings.log_engine_metrics:
             kwargs["disable_log_stats"] = False
@@ -177,7 +182,9 @@ class VLLMEngine(Engine):
         try:
             # Offline-batch defaults (vLLM's LLM class: e.g. max_num_seqs 1024 and 16k batched
             # tokens on an H100), not the serving defaults AsyncLLM would pick (128 and 2k).
-            if self._fork_server:  # the engine process starts first, the front-end beside it
+            if at is not None:  # the engine the driver launched, ready: the front-end attaches
+                self.llm, self._detach = vllm_early.front_end(args, at, UsageContext.LLM_CLASS, stat_loggers)
+            elif self._fork_server:  # the engine process starts first, the front-end beside it
                 self.llm = vllm_procs.async_llm_engine_first(args, UsageContext.LLM_CLASS, stat_loggers)
             else:
                 from vllm.v1.engine.async_llm import AsyncLLM
@@ -229,6 +236,9 @@ class VLLMEngine(Engine):
             llm.shutdown(timeout=SHUTDOWN_TIMEOUT_S)
         except Exception:  # noqa: BLE001 - a dead engine may fail to shut down; it is gone anyway
             logger.debug("engine shutdown failed", exc_info=True)
+        if self._detach is not None:
+            detach, self._detach = self._detach, None
+            detach()
 
     def is_fatal(self, exc: BaseException) -> bool:
         from vllm.v1.engine.exceptions import EngineDeadError

@@ -14,7 +14,8 @@ from typing import Any
 
 from llmbatch.engines.lora import engine_defaults as lora_engine_defaults
 from llmbatch.errors import EngineStartError, MissingDependencyError
-from llmbatch.models import is_sequence_classifier
+from llmbatch.engines.settings import max_model_len
+from llmbatch.models import is_sequence_classifier, resolve_model
 
 logger = logging.getLogger(__name__)
 
@@ -180,3 +181,12 @@ def one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
+def start_kwargs(settings: Any) -> tuple[str, dict[str, Any]]:
+    """The model's folder and the full ``vllm.AsyncEngineArgs`` keywords for these settings: the
+    replica's own engine's, and those of an engine launched for it early (``engines/vllm_early.py``)."""
+    model_path = resolve_model(settings.model_source)
+    kwargs = engine_arguments(model_path, settings.engine_kwargs, settings.task_type, settings.max_replicas(),
+                              settings.dynamic_lora_loading_path)
+    if "max_model_len" not in kwargs and (length := max_model_len(settings.model_source, settings.engine_kwargs)):
+        kwargs["max_model_len"] = length  # the tokenize stage's limit too: one number
+    return model_path, kwargs

@@ -15,7 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from llmbatch.builders import vllm_settings
 from llmbatch.cluster import RayStart
+from llmbatch.config import vLLMEngineProcessorConfig
+from llmbatch.engines import vllm_early
 from llmbatch.env import env_number
 from llmbatch.errors import ConfigError, JobError, LLMBatchError
 from llmbatch.io.files import atomic_write_json
@@ -186,6 +189,17 @@ def _install_sigterm() -> Any:
         return None
 
 
+def launch_engine(job: Job) -> None:
+    """Launch the job's vLLM engine now, before Ray and its replica exist, where its one replica
+    can attach to it (``engines/vllm_early.py``): not for warm engines, placement groups, LoRA
+    adapters or engine metrics (their engines start in the replica as before)."""
+    config = job.config
+    if (isinstance(config, vLLMEngineProcessorConfig) and not config.resolved_keep_warm_s()
+            and not config.placement_group_config and not config.dynamic_lora_loading_path
+            and not config.log_engine_metrics):
+        vllm_early.launch(vllm_settings(config))
+
+
 def run_job(job: JobSpec | str | os.PathLike, *, overrides: list[str] | None = None, force: bool = False,
             retry_errors: bool = False, report: bool = False, quiet: bool = False,
             tty: bool | None = None) -> JobResult:
@@ -228,6 +242,7 @@ def _run_locked(job: Job, *, retry_errors: bool, report: bool, quiet: bool, tty:
     ingest_s = None
     ray_start = None
     if not meta.ingested:
+        launch_engine(job)  # vLLM's engine starts beside the read, Ray's start and the replica's
         # Ray starts beside a long first read of the input (a large or remote one)
         ray_start = RayStart(log_to_driver=False) if _long_read(job.spec.input.path) else None
         ingest_began = time.time()
@@ -259,6 +274,7 @@ def _run_locked(job: Job, *, retry_errors: bool, report: bool, quiet: bool, tty:
     progress.start()
     try:
         if todo.any():
+            launch_engine(job)  # (a resumed job's: before Ray's start)
             if ray_start is not None:  # begun beside the input's read: waited for where the rows need Ray
                 progress.set_phase("starting Ray")
                 progress.marks.update(ray_start.wait())
@@ -270,6 +286,7 @@ def _run_locked(job: Job, *, retry_errors: bool, report: bool, quiet: bool, tty:
         state_name = "failed"
         raise
     finally:
+        vllm_early.stop_all()  # an engine launched for the replica stops with the run
         snap = progress.stop(state_name)
         if old_sigterm is not None:
             signal.signal(signal.SIGTERM, old_sigterm)

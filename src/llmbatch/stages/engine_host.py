@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from llmbatch import startlog
+from llmbatch.reaper import family
 from llmbatch.rows import Row
 from llmbatch.stages.base import Stage
 from llmbatch.stages.engine import EngineStage
@@ -59,13 +60,13 @@ def stops_for_memory(short_for_s: float, leases: int) -> bool:
 
 
 def tree_memory() -> int:
-    """Bytes this process and its children hold alone (USS; RSS where the system gives no USS):
+    """Bytes this process, its children and the processes it adopted (an engine process the
+    driver's fork server forked for it) hold alone (USS; RSS where the system gives no USS):
     what stopping it gives back to its machine."""
     import psutil
 
     total = 0
-    me = psutil.Process()
-    for proc in [me, *me.children(recursive=True)]:
+    for proc in family():
         try:
             try:
                 total += proc.memory_full_info().uss

@@ -1,0 +1,340 @@
+"""vLLM's engine launched by a job's driver as the job begins, before its replica exists.
+
+A replica's engine starts only once Ray has started, Ray Data has placed the replica and the
+replica has imported vLLM and built the engine's config: on an H200 the engine was ready 47 s
+after the process started where plain vLLM's was ready at 34 s, and on this 2-core CPU a front-end
+that starts 10 s late (Ray's start) is ready 10 s late (bench/RESULTS.md, "The engine's imports
+before the replica"; ``bench/engine_attach_probe.py``). vLLM can run engines "managed
+externally" (its multi-API-server mode): ``launch_core_engines`` starts the engine and answers its
+start-up handshake with ZMQ addresses the launcher picks, and ``AsyncLLM(client_addresses=...)``
+attaches a front-end to them later.
+
+So where a job's one replica will run on this machine, the driver starts a launcher process as
+the job begins (:func:`launch`): it imports vLLM, builds the engine's arguments as the replica
+would (``engines.vllm_setup.start_kwargs``), launches the engine and, once the engine is ready, writes
+how to attach (the addresses, the arguments, the engine's processes) to a file. The replica
+(``VLLMEngine``) attaches where the file's settings are its own (:func:`attach`); otherwise, or
+where the launch failed, it stops that engine and starts its own as before. The launcher lives as
+long as the driver holds its stdin: at the job's end (or the driver's death) it stops the engine.
+The replica adopts the engine's processes into its reaper and watches them: an engine that dies is
+a dead engine to the replica, which restarts its own.
+
+Only for one single-process replica of a job, no warm engine (``keep_warm_s`` 0), no LoRA, no
+placement group, Ray on this machine and at most one GPU here (the replica's device is then the
+launcher's). ``LLMBATCH_ENGINE_EARLY=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+from llmbatch.engines.settings import VLLMSettings
+from llmbatch.engines.vllm_setup import engine_env, start_kwargs
+from llmbatch.reaper import adopt, end_processes, with_descendants
+
+logger = logging.getLogger(__name__)
+
+ENV = "LLMBATCH_ENGINE_EARLY"
+#: seconds the launcher leaves its engine to the replica after the job ended, before it stops it
+RELEASE_S = 10.0
+#: seconds a replica waits for the launcher's engine (while the launcher runs) before it starts its own
+WAIT_S = float(os.environ.get("VLLM_ENGINE_READY_TIMEOUT_S", "600"))
+
+
+class Launch:
+    """The driver's handle on one launched engine."""
+
+    def __init__(self, proc: subprocess.Popen, attach_path: str, key: str, log_path: str):
+        self.proc = proc
+        self.attach_path = attach_path
+        self.key = key
+        self.log_path = log_path
+
+    def info(self) -> dict[str, Any]:
+        """What the replica needs to find and check the engine (it travels with the engine stage)."""
+        return {"attach": self.attach_path, "key": self.key, "host": socket.gethostname(),
+                "launcher": self.proc.pid, "log": self.log_path}
+
+    def stop(self) -> None:
+        """Tell the launcher the job ended (its stdin closes) without waiting for it: it leaves
+        the engine to the replica that attached for a moment, stops what is left and removes its
+        folder on its own (a driver that waited here spent 5.4 s of every job's end)."""
+        try:
+            if self.proc.stdin is not None:
+                self.proc.stdin.close()
+        except OSError:
+            pass
+
+
+#: this driver's launched engines, by their settings' key (a job's processor finds its own)
+_launched: dict[str, Launch] = {}
+
+
+def key_of(model_source: str, engine_kwargs: dict[str, Any], task_type: str) -> str:
+    return json.dumps([model_source, dict(engine_kwargs), task_type], sort_keys=True, default=str)
+
+
+def launch(settings: VLLMSettings) -> Launch | None:
+    """In a job's driver, as the job begins: launch the engine of ``settings`` where its one
+    replica could attach to it; None elsewhere. The caller has checked the job's side (one
+    replica, no warm engine, no placement group, no LoRA, no engine metrics)."""
+    if not _wanted(settings):
+        return None
+    key = key_of(settings.model_source, settings.engine_kwargs, settings.task_type)
+    if key in _launched and _launched[key].proc.poll() is None:
+        return _launched[key]
+    folder = tempfile.mkdtemp(prefix="llmbatch-engine-")
+    attach_path = os.path.join(folder, "attach.json")
+    log_path = os.path.join(folder, "engine.log")
+    spec = {"model_source": settings.model_source, "engine_kwargs": dict(settings.engine_kwargs),
+            "task_type": settings.task_type, "detokenize_stage": settings.detokenize_stage,
+            "attach": attach_path, "key": key}
+    try:
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "llmbatch.engines.vllm_early", json.dumps(spec)],
+                                    stdin=subprocess.PIPE, stdout=log, stderr=log, start_new_session=True)
+    except OSError:
+        logger.warning("could not launch the engine early; the replica starts it", exc_info=True)
+        return None
+    _launched[key] = found = Launch(proc, attach_path, key, log_path)
+    return found
+
+
+def launched(model_source: str, engine_kwargs: dict[str, Any], task_type: str) -> dict[str, Any] | None:
+    """In the driver, as the processor runs: the launched engine for these settings, if any."""
+    found = _launched.get(key_of(model_source, engine_kwargs, task_type))
+    return found.info() if found is not None and found.proc.poll() is None else None
+
+
+def stop_all() -> None:
+    """In the driver, as the job ends: stop every engine it launched."""
+    while _launched:
+        _, found = _launched.popitem()
+        found.stop()
+
+
+def _wanted(settings: VLLMSettings) -> bool:
+    import importlib.util
+
+    return (os.environ.get(ENV, "1").strip() != "0" and settings.max_replicas() == 1
+            and settings.engine_kwargs.single_process() and not settings.engine_kwargs.get("enable_lora")
+            and _one_device_here() and _ray_here() and importlib.util.find_spec("vllm") is not None)
+
+
+def _one_device_here() -> bool:
+    """At most one GPU on this machine (the replica's is then the launcher's)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip()]) <= 1
+    return len(glob.glob("/dev/nvidia[0-9]*")) <= 1
+
+
+def _ray_here() -> bool:
+    """Whether the job's Ray is this machine alone (one it will start, or a local one)."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            nodes = [n for n in ray.nodes() if n.get("Alive")]
+            return len(nodes) == 1 and nodes[0].get("NodeID") == ray.get_runtime_context().get_node_id()
+    except Exception:  # noqa: BLE001 - not known: not here
+        return False
+    address = os.environ.get("RAY_ADDRESS", "").strip()
+    host = address.split("://")[-1].rsplit(":", 1)[0].strip("[]")
+    return address in ("", "local") or host in ("127.0.0.1", "localhost", "::1")
+
+
+# -- in the replica ----------------------------------------------------------------------------
+
+def on_this_machine(info: dict[str, Any] | None) -> bool:
+    """Whether the driver launched an engine for this replica on this machine."""
+    return bool(info) and info.get("host") == socket.gethostname()
+
+
+def attach(info: dict[str, Any] | None, key: str) -> dict[str, Any] | None:
+    """In the replica: how to attach to the engine the driver launched for it (``{"input_address",
+    "output_address", "kwargs", "pids"}``), waiting for it while its launcher runs; None where
+    there is none for this replica (another machine, other settings, a launch that failed): an
+    engine launched but not taken is stopped, so the replica's own has the device."""
+    if not on_this_machine(info) or info.get("key") != key:
+        return None
+    deadline = time.monotonic() + WAIT_S
+    path = info["attach"]
+    while not os.path.exists(path):
+        if not _running(info["launcher"]) or time.monotonic() > deadline:
+            return None
+        time.sleep(0.05)
+    with open(path) as fh:
+        at = json.load(fh)
+    if "error" in at:
+        logger.warning("the engine launched early failed (%s); the replica starts its own", at["error"])
+        return None
+    if len([d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]) > 1:
+        _end(at["pids"])  # this replica has more devices than the launcher's one
+        return None
+    return at
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except OSError:
+        return False
+
+
+def _end(pids: list[int]) -> None:
+    end_processes(with_descendants(pids), grace_s=5)
+
+
+def watch(pids: list[int], on_death, closing: threading.Event) -> threading.Thread:
+    """Call ``on_death()`` once when one of ``pids`` (the attached engine's processes) ends,
+    unless ``closing`` was set first (the replica stopped it)."""
+    import psutil
+
+    procs = []
+    for pid in pids:
+        try:
+            procs.append(psutil.Process(pid))
+        except psutil.Error:
+            pass
+
+    def alive(proc) -> bool:
+        try:
+            return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
+    def wait() -> None:
+        while not closing.is_set() and procs and all(alive(p) for p in procs):
+            closing.wait(0.5)
+        if not closing.is_set():
+            on_death()
+
+    thread = threading.Thread(target=wait, name="llmbatch-engine-watch", daemon=True)
+    thread.start()
+    return thread
+
+
+def front_end(args: Any, at: dict[str, Any], usage_context: Any, stat_loggers: list | None) -> tuple[Any, Any]:
+    """An ``AsyncLLM`` front-end on the engine the driver launched (``at``: :func:`attach`), and
+    what stops that engine (the front-end's shutdown leaves processes it did not start). The
+    replica adopts the engine's processes (they die with it) and watches them: one that dies makes
+    the engine dead to the front-end, as vLLM's own watch does for the engines it starts."""
+    from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm.v1.executor import Executor
+
+    pids = list(at["pids"])
+    for pid in pids:
+        adopt(pid)
+    config = args.create_engine_config(usage_context)
+    try:
+        llm = AsyncLLM(vllm_config=config, executor_class=Executor.get_class(config),
+                       log_stats=not args.disable_log_stats, usage_context=usage_context, stat_loggers=stat_loggers,
+                       client_addresses={"input_address": at["input_address"], "output_address": at["output_address"]})
+    except BaseException:
+        _end(pids)
+        raise
+    closing = threading.Event()
+
+    def dead() -> None:  # vLLM's monitor_engine_cores, for an engine it did not start
+        client = getattr(llm, "engine_core", None)
+        resources = getattr(client, "resources", None)
+        if resources is not None:
+            resources.engine_dead = True
+        try:
+            client.shutdown()
+        except Exception:  # noqa: BLE001 - it is gone: the requests see a dead engine
+            logger.debug("front-end shutdown after the engine died failed", exc_info=True)
+
+    def detach() -> None:
+        closing.set()
+        _end(pids)
+
+    watch(pids, dead, closing)
+    return llm, detach
+
+
+# -- the launcher process ----------------------------------------------------------------------
+
+def _launcher(spec: dict[str, Any]) -> None:
+    attach_path = spec["attach"]
+
+    def write(payload: dict[str, Any]) -> None:
+        with open(attach_path + ".tmp", "w") as fh:
+            json.dump(payload, fh)
+        os.replace(attach_path + ".tmp", attach_path)
+
+    manager = None
+    try:
+        import inspect
+
+        engine_env()
+        settings = VLLMSettings(model_source=spec["model_source"], engine_kwargs=spec["engine_kwargs"],
+                                task_type=spec["task_type"], detokenize_stage=spec["detokenize_stage"])
+        _, kwargs = start_kwargs(settings)
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.usage.usage_lib import UsageContext
+        from vllm.v1.engine import utils as engine_utils
+        from vllm.v1.executor import Executor
+
+        args = AsyncEngineArgs(**kwargs)
+        config = args.create_engine_config(UsageContext.LLM_CLASS)
+        executor = Executor.get_class(config)
+        log_stats = not args.disable_log_stats  # as the replica's front-end will say (AsyncLLM.from_engine_args)
+        if "addresses" in inspect.signature(engine_utils.launch_core_engines).parameters:
+            addresses = engine_utils.EngineZmqAddresses(inputs=[_ipc_path()], outputs=[_ipc_path()])
+            launching = engine_utils.launch_core_engines(config, executor, log_stats, addresses)
+        else:  # older vLLM: the addresses are made inside and yielded
+            launching = engine_utils.launch_core_engines(config, executor, log_stats)
+        with launching as launched_:
+            if isinstance(launched_, tuple):  # (manager, coordinator, addresses[, tensor queue]: vLLM 0.26)
+                manager, addresses = launched_[0], launched_[2]
+            else:
+                manager, addresses = launched_.engine_manager, launched_.addresses
+        # the engine is ready: the replica's front-end binds these and the engine connects to them
+        write({"input_address": addresses.inputs[0], "output_address": addresses.outputs[0], "kwargs": kwargs,
+               "pids": [p.pid for p in manager.processes]})
+    except BaseException as exc:  # noqa: BLE001 - the replica starts its own and reports its own error
+        logger.exception("the engine could not be launched early")
+        write({"error": f"{type(exc).__name__}: {exc}"})
+        if manager is not None:
+            _shutdown(manager)
+        return
+    # Until the driver closes stdin (its job ended) or dies. The replica that attached owns the
+    # engine by then (it stops it as it closes; its reaper ends it if it dies): it gets a moment
+    # to do so before this process stops what is left.
+    sys.stdin.read()
+    deadline = time.monotonic() + RELEASE_S
+    while any(p.is_alive() for p in manager.processes) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    _shutdown(manager)
+    shutil.rmtree(os.path.dirname(attach_path), ignore_errors=True)
+
+
+def _shutdown(manager: Any) -> None:
+    stop = getattr(manager, "shutdown", None) or getattr(manager, "close")  # vLLM 0.32: shutdown
+    stop()
+
+
+def _ipc_path() -> str:
+    try:
+        from vllm.utils.network_utils import get_open_zmq_ipc_path
+    except ImportError:  # older vLLM
+        from vllm.utils import get_open_zmq_ipc_path
+    return get_open_zmq_ipc_path()
+
+
+if __name__ == "__main__":
+    _launcher(json.loads(sys.argv[1]))
