@@ -40,6 +40,8 @@ os.environ.setdefault("LLMBATCH_WARM_IDLE_OTHERS", "6")
 # so the other worker's engines made it stop its most used one, then start it again; the suite's
 # engines are a couple of GB each, and idle hosts still stop below 20% available)
 os.environ.setdefault("LLMBATCH_WARM_ROOM_FRACTION", "0.25")
+# the engine launched by a job's driver (on by default on 8+ CPUs) only where a test asks for it
+os.environ.setdefault("LLMBATCH_ENGINE_EARLY", "0")
 
 REPO = Path(__file__).resolve().parents[1]
 

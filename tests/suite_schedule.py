@@ -28,7 +28,8 @@ LONGEST_FIRST = (  # seconds per file in the fresh-clone run at c4f5baa: 294, 26
     # that warm engine in the fresh-clone run at 2dceebf, and this file started it again)
     "tests/e2e/test_openai_batch_files.py",
     "tests/e2e/test_ray_checkpoints.py", "tests/stages/test_warm.py", "tests/e2e/test_http_faults.py",
-    "tests/e2e/test_openai_server.py", "tests/e2e/test_workload_optimizations.py", "tests/e2e/test_multimodal.py",
+    "tests/e2e/test_openai_server.py", "tests/e2e/test_workload_optimizations.py", "tests/e2e/test_engine_early.py",
+    "tests/e2e/test_multimodal.py",
     "tests/engines/test_vllm_setup.py", "tests/e2e/test_audio.py", "tests/e2e/test_processor_vllm.py",
     "tests/e2e/test_batch_media.py", "tests/e2e/test_trust.py", "tests/e2e/test_ray_address.py",
     "tests/test_models.py", "tests/e2e/test_stall.py", "tests/e2e/test_serve_tenants.py",

@@ -136,7 +136,7 @@ class VLLMEngine(Engine):
 
     def prepare(self) -> None:
         """In the driver, as the run begins: the engine it launched for this replica, if any."""
-        self.early = vllm_early.launched(self.settings.model_source, self.settings.engine_kwargs, self.task_type)
+        self.early = vllm_early.launched()
 
     def begin(self) -> None:
         """Launch what the engine's start will use, without waiting for it: the fork server

@@ -21,7 +21,11 @@ a dead engine to the replica, which restarts its own.
 
 Only for one single-process replica of a job, no warm engine (``keep_warm_s`` 0), no LoRA, no
 placement group, Ray on this machine and at most one GPU here (the replica's device is then the
-launcher's). ``LLMBATCH_ENGINE_EARLY=0`` turns it off.
+launcher's), and by default only on machines of :data:`MIN_CPUS` or more CPUs: on one H200 host
+(16 cores) a 10,000-row job's first request came 7 s sooner with it (99.2-100.6 s whole against
+101.6-111.4 s, 3 rounds), while on a 2-core laptop the launcher's vLLM import takes the cores Ray's
+start needs (a 200-row job 34 s against 25 s; bench/RESULTS.md). ``LLMBATCH_ENGINE_EARLY=1`` turns
+it on anywhere, ``0`` off.
 """
 
 from __future__ import annotations
@@ -39,13 +43,17 @@ import threading
 import time
 from typing import Any
 
+from llmbatch import startlog
 from llmbatch.engines.settings import VLLMSettings
 from llmbatch.engines.vllm_setup import engine_env, start_kwargs
+from llmbatch.errors import ConfigError
 from llmbatch.reaper import adopt, end_processes, with_descendants
 
 logger = logging.getLogger(__name__)
 
 ENV = "LLMBATCH_ENGINE_EARLY"
+#: CPUs a machine needs for the engine to be launched early where ``LLMBATCH_ENGINE_EARLY`` is unset
+MIN_CPUS = 8
 #: seconds the launcher leaves its engine to the replica after the job ended, before it stops it
 RELEASE_S = 10.0
 #: seconds a replica waits for the launcher's engine (while the launcher runs) before it starts its own
@@ -111,10 +119,11 @@ def launch(settings: VLLMSettings) -> Launch | None:
     return found
 
 
-def launched(model_source: str, engine_kwargs: dict[str, Any], task_type: str) -> dict[str, Any] | None:
-    """In the driver, as the processor runs: the launched engine for these settings, if any."""
-    found = _launched.get(key_of(model_source, engine_kwargs, task_type))
-    return found.info() if found is not None and found.proc.poll() is None else None
+def launched() -> dict[str, Any] | None:
+    """In the driver, as the processor runs: the engine it launched (one a job), if its launcher
+    still runs; the replica checks that its settings are the replica's own (:func:`attach`)."""
+    found = next((launch for launch in _launched.values() if launch.proc.poll() is None), None)
+    return found.info() if found is not None else None
 
 
 def stop_all() -> None:
@@ -127,9 +136,21 @@ def stop_all() -> None:
 def _wanted(settings: VLLMSettings) -> bool:
     import importlib.util
 
-    return (os.environ.get(ENV, "1").strip() != "0" and settings.max_replicas() == 1
+    return (_enabled() and settings.max_replicas() == 1
             and settings.engine_kwargs.single_process() and not settings.engine_kwargs.get("enable_lora")
             and _one_device_here() and _ray_here() and importlib.util.find_spec("vllm") is not None)
+
+
+def _enabled() -> bool:
+    """``LLMBATCH_ENGINE_EARLY``: 1 on, 0 off; unset: on where this process may use
+    :data:`MIN_CPUS` CPUs or more."""
+    value = os.environ.get(ENV, "").strip()
+    if value in ("0", "1"):
+        return value == "1"
+    if value:
+        raise ConfigError(f"{ENV}={value!r}: use 1 (launch the engine early), 0 (never) or leave it unset "
+                         f"(on machines of {MIN_CPUS} or more CPUs)")
+    return len(os.sched_getaffinity(0)) >= MIN_CPUS
 
 
 def _one_device_here() -> bool:
@@ -165,14 +186,25 @@ def on_this_machine(info: dict[str, Any] | None) -> bool:
 def attach(info: dict[str, Any] | None, key: str) -> dict[str, Any] | None:
     """In the replica: how to attach to the engine the driver launched for it (``{"input_address",
     "output_address", "kwargs", "pids"}``), waiting for it while its launcher runs; None where
-    there is none for this replica (another machine, other settings, a launch that failed): an
-    engine launched but not taken is stopped, so the replica's own has the device."""
-    if not on_this_machine(info) or info.get("key") != key:
+    there is none for this replica (another machine, a launch that failed or took longer than
+    :data:`WAIT_S`, other settings than the replica's ``key``, more devices): an engine launched
+    but not taken is stopped first, so that the replica's own has the device."""
+    if not on_this_machine(info):
+        return None
+    if info.get("key") != key:
+        logger.warning("the engine launched early has other settings than this replica's: it is stopped "
+                       "and the replica starts its own")
+        _end([info["launcher"]])
         return None
     deadline = time.monotonic() + WAIT_S
     path = info["attach"]
     while not os.path.exists(path):
-        if not _running(info["launcher"]) or time.monotonic() > deadline:
+        if not _running(info["launcher"]):
+            return None
+        if time.monotonic() > deadline:
+            logger.warning("the engine launched early was not ready after %.0f s: it is stopped and the "
+                           "replica starts its own", WAIT_S)
+            _end([info["launcher"]])
             return None
         time.sleep(0.05)
     with open(path) as fh:
@@ -268,6 +300,43 @@ def front_end(args: Any, at: dict[str, Any], usage_context: Any, stat_loggers: l
 
 # -- the launcher process ----------------------------------------------------------------------
 
+def _launch_engine(spec: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
+    """Start the engine of ``spec`` as the replica would and wait until it is ready: its
+    manager (its processes), the addresses a front-end attaches to, the engine's arguments."""
+    import inspect
+
+    engine_env()
+    settings = VLLMSettings(model_source=spec["model_source"], engine_kwargs=spec["engine_kwargs"],
+                            task_type=spec["task_type"], detokenize_stage=spec["detokenize_stage"])
+    _, kwargs = start_kwargs(settings)
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.usage.usage_lib import UsageContext
+    from vllm.v1.engine import utils as engine_utils
+    from vllm.v1.executor import Executor
+
+    args = AsyncEngineArgs(**kwargs)
+    config = args.create_engine_config(UsageContext.LLM_CLASS)
+    if config.model_config.multimodal_config is not None:
+        # media travel from the front-end to the engine by ways it sets up as it starts (vLLM's
+        # tensor queue): a front-end attached later has none of them
+        raise NotImplementedError("a multimodal model's engine starts in its replica")
+    executor = Executor.get_class(config)
+    log_stats = not args.disable_log_stats  # as the replica's front-end will say (AsyncLLM.from_engine_args)
+    if "addresses" in inspect.signature(engine_utils.launch_core_engines).parameters:
+        addresses = engine_utils.EngineZmqAddresses(inputs=[_ipc_path()], outputs=[_ipc_path()])
+        launching = engine_utils.launch_core_engines(config, executor, log_stats, addresses)
+    else:  # older vLLM: the addresses are made inside and yielded
+        launching = engine_utils.launch_core_engines(config, executor, log_stats)
+    # (the context's exit waits for the engine's ready message; where the start fails, it stops
+    # the engine's processes and raises)
+    with launching as launched:
+        if isinstance(launched, tuple):  # (manager, coordinator, addresses[, tensor queue]: vLLM 0.26)
+            manager, addresses = launched[0], launched[2]
+        else:
+            manager, addresses = launched.engine_manager, launched.addresses
+    return manager, addresses, kwargs
+
+
 def _launcher(spec: dict[str, Any]) -> None:
     attach_path = spec["attach"]
 
@@ -276,42 +345,19 @@ def _launcher(spec: dict[str, Any]) -> None:
             json.dump(payload, fh)
         os.replace(attach_path + ".tmp", attach_path)
 
-    manager = None
     try:
-        import inspect
-
-        engine_env()
-        settings = VLLMSettings(model_source=spec["model_source"], engine_kwargs=spec["engine_kwargs"],
-                                task_type=spec["task_type"], detokenize_stage=spec["detokenize_stage"])
-        _, kwargs = start_kwargs(settings)
-        from vllm.engine.arg_utils import AsyncEngineArgs
-        from vllm.usage.usage_lib import UsageContext
-        from vllm.v1.engine import utils as engine_utils
-        from vllm.v1.executor import Executor
-
-        args = AsyncEngineArgs(**kwargs)
-        config = args.create_engine_config(UsageContext.LLM_CLASS)
-        executor = Executor.get_class(config)
-        log_stats = not args.disable_log_stats  # as the replica's front-end will say (AsyncLLM.from_engine_args)
-        if "addresses" in inspect.signature(engine_utils.launch_core_engines).parameters:
-            addresses = engine_utils.EngineZmqAddresses(inputs=[_ipc_path()], outputs=[_ipc_path()])
-            launching = engine_utils.launch_core_engines(config, executor, log_stats, addresses)
-        else:  # older vLLM: the addresses are made inside and yielded
-            launching = engine_utils.launch_core_engines(config, executor, log_stats)
-        with launching as launched_:
-            if isinstance(launched_, tuple):  # (manager, coordinator, addresses[, tensor queue]: vLLM 0.26)
-                manager, addresses = launched_[0], launched_[2]
-            else:
-                manager, addresses = launched_.engine_manager, launched_.addresses
-        # the engine is ready: the replica's front-end binds these and the engine connects to them
-        write({"input_address": addresses.inputs[0], "output_address": addresses.outputs[0], "kwargs": kwargs,
-               "pids": [p.pid for p in manager.processes]})
+        with startlog.timed("vllm-engine", model=spec["model_source"], task=spec["task_type"],
+                            engine_kwargs=spec["engine_kwargs"], launched_early=True):
+            manager, addresses, kwargs = _launch_engine(spec)
     except BaseException as exc:  # noqa: BLE001 - the replica starts its own and reports its own error
         logger.exception("the engine could not be launched early")
-        write({"error": f"{type(exc).__name__}: {exc}"})
-        if manager is not None:
-            _shutdown(manager)
+        write({"error": f"{type(exc).__name__}: {exc}"})  # (the replica reads it, then starts its own)
+        sys.stdin.read()
+        shutil.rmtree(os.path.dirname(attach_path), ignore_errors=True)
         return
+    # the engine is ready: the replica's front-end binds these and the engine connects to them
+    write({"input_address": addresses.inputs[0], "output_address": addresses.outputs[0], "kwargs": kwargs,
+           "pids": [p.pid for p in manager.processes]})
     # Until the driver closes stdin (its job ended) or dies. The replica that attached owns the
     # engine by then (it stops it as it closes; its reaper ends it if it dies): it gets a moment
     # to do so before this process stops what is left.
