@@ -215,3 +215,30 @@ def test_resume_never_reruns_error_rows_and_retry_errors_runs_only_them(tmp_path
     assert asked == []
     assert run_job(job.root, retry_errors=True, quiet=True).state == "stopped"
     assert asked == [3, 7]
+
+
+def test_an_engine_launched_for_a_job_stops_however_the_run_ends(tmp_path, monkeypatch):
+    # the driver's early engine (engines/vllm_early.py) is told to stop when the run ends, also
+    # when it fails before its rows start (here: the input's read), so that no engine outlives
+    # its job in a long-lived Python process (a notebook)
+    import llmbatch.jobs.run as run_module
+    from llmbatch.engines import vllm_early
+
+    launched = []
+
+    def launch_engine(job):
+        # a launcher standing in: it ends when its stdin closes, as the real one does
+        proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+        vllm_early._launched["key"] = vllm_early.Launch(proc, str(tmp_path / "attach.json"), "key", "")
+        launched.append(proc)
+
+    def read_input(job):
+        raise JobError("the input could not be read")
+
+    monkeypatch.setattr(run_module, "launch_engine", launch_engine)
+    monkeypatch.setattr(run_module, "read_input", read_input)
+    with pytest.raises(JobError, match="could not be read"):
+        run_job(load_job(write_job(tmp_path)), quiet=True)
+    assert launched, "the job should have launched its engine before its read"
+    assert launched[0].wait(timeout=30) == 0, "the launcher should be told to stop"
+    assert vllm_early._launched == {}

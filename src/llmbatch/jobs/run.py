@@ -225,8 +225,11 @@ def run_job(job: JobSpec | str | os.PathLike, *, overrides: list[str] | None = N
             try:
                 open_job(opened, force=force, allow_config_change=retry_errors)
                 with job_terminal(job_dir.log_path) as terminal:  # Ray's and vLLM's lines to log.txt
-                    return _run_locked(opened, retry_errors=retry_errors, report=report,
-                                       quiet=quiet, tty=tty, entered=entered, terminal=terminal)
+                    try:
+                        return _run_locked(opened, retry_errors=retry_errors, report=report,
+                                           quiet=quiet, tty=tty, entered=entered, terminal=terminal)
+                    finally:  # however the run ends (a failed read too), an engine launched for it stops
+                        vllm_early.stop_all()
             except LLMBatchError:  # a mistake found while reading the input leaves nothing behind
                 discarded = discard_unstarted(job_dir, created)
                 raise
