@@ -29,12 +29,16 @@ def _replica_pids() -> list[int]:
 
 
 def _engines_of(pids: list[int]) -> list[int]:
+    """The vLLM engine processes below ``pids``: a child that ends while it is looked at is left
+    out, not the others with it (the likely reason this list came back empty in one fresh-clone
+    run, where the check was a single look)."""
     out = []
     for pid in pids:
         try:
-            out += [c.pid for c in psutil.Process(pid).children(recursive=True) if "EngineCore" in " ".join(c.cmdline())]
+            below = psutil.Process(pid).children(recursive=True)
         except psutil.Error:
             continue
+        out += [c.pid for c in below if "EngineCore" in command_line(c)]
     return out
 
 
@@ -58,7 +62,10 @@ def test_the_examples_two_processors_share_one_replica_and_a_killed_replica_lose
     from llmbatch import ServeDeploymentProcessorConfig
 
     replicas = _replica_pids()
-    assert len(replicas) == 1 and len(_engines_of(replicas)) == 1  # one engine for both processors
+    assert len(replicas) == 1, replicas
+    # one engine for both processors (looked at for a while: the process table is read while the
+    # replica's helpers come and go)
+    wait_for(lambda: len(_engines_of(replicas)) == 1, 60, "one engine below Serve's one replica", step=0.5)
     draft, critique = shared_engine.processors(
         ServeDeploymentProcessorConfig(deployment_name=DEPLOYMENT, app_name=APP, batch_size=4))
     rows = 48
