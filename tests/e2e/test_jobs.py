@@ -40,18 +40,20 @@ def request(row):
     # part of the job is still being made while every other row is committed
     # and the very last batch writes the longest: it is still running when the rest is committed
     index = int(row["Index"])
-    tokens = 150 if index > LAST_AFTER else (50 if index > LONG_AFTER else 16)
+    tokens = LAST_TOKENS if index > LAST_AFTER else (50 if index > LONG_AFTER else 16)
     return {"messages": [{"role": "user", "content": f"Customer #{row['Index']}: write a welcome note for "
                                                      f"{row['First Name']} {row['Last Name']} of {row['Company']}."}],
             "sampling_params": {"temperature": 0, "ignore_eos": True, "max_tokens": tokens}}
 """
 
 
-def write_job(tmp_path: Path, rows: int, *, long_tail: int = 20, keep_warm_s: float | None = None) -> tuple[Path, Path]:
+def write_job(tmp_path: Path, rows: int, *, long_tail: int = 20, keep_warm_s: float | None = None,
+              last_tokens: int = 150) -> tuple[Path, Path]:
     from llmbatch.sample_data import write_customers_csv
 
     write_customers_csv(tmp_path / "customers.csv", rows, seed=11)
-    (tmp_path / "hooks.py").write_text(f"LONG_AFTER = {rows - long_tail}\nLAST_AFTER = {rows - 8}\n" + HOOKS)
+    (tmp_path / "hooks.py").write_text(f"LONG_AFTER = {rows - long_tail}\nLAST_AFTER = {rows - 8}\n"
+                                       f"LAST_TOKENS = {last_tokens}\n" + HOOKS)
     job = tmp_path / "job.yaml"
     job.write_text(textwrap.dedent("""
         input: {path: customers.csv, id_column: Index}
@@ -192,11 +194,12 @@ def test_sigkill_at_three_points_and_sigint_then_resume_exactly_once(ray_cluster
     assert [r["state"] for r in runs][-2:] == ["stopped", "finished"]
 
 
-def job_replica_with_engine(job_dir: Path) -> psutil.Process | None:
-    """The replica the running job's driver names in its ``progress.json`` (``host:pid``, the
-    actor process, stages/engine.py) that hosts a vLLM engine below it on this machine: the
-    job's own, found by the job's record (a scan of the cluster's process table for actors with
-    an engine also finds those of earlier tests that are still going away, and is slow)."""
+def job_replica(job_dir: Path) -> psutil.Process | None:
+    """The replica the running job's driver names in its ``progress.json`` (``host:pid``: the
+    Ray Data actor whose engine stage answered its rows, stages/engine.py), alive on this machine.
+    With ``keep_warm_s: 0`` its engine runs below it and dies with it (its reaper). Found by the
+    job's own record: a scan of the cluster's process table also finds earlier tests' actors
+    that are still going away, and was slow enough that a short job ended first."""
     try:
         names = json.loads(JobDir(job_dir).progress_path.read_text()).get("replicas", {})
     except (OSError, ValueError):  # not written yet
@@ -207,29 +210,30 @@ def job_replica_with_engine(job_dir: Path) -> psutil.Process | None:
             continue
         try:
             proc = psutil.Process(int(pid))
-            below = proc.children(recursive=True)
         except psutil.Error:
             continue
-        if any("VLLM::EngineCore" in command_line(child) for child in below):
+        if "StageRunner" in command_line(proc):
             return proc
     return None
 
 
 def test_engine_replica_killed_mid_run_loses_no_row(ray_cluster, smollm2, tmp_path):
     rows = 48
-    # the replica's own engine (no warm host): killing the replica kills its engine; half the
-    # rows write long answers, so the job is still running when the first 16 are committed
-    job_file, job_dir = write_job(tmp_path, rows, long_tail=24, keep_warm_s=0)
+    # the replica's own engine (no warm host): killing the replica kills its engine. Half the
+    # rows write longer answers and the last 8 the longest (400 tokens: many seconds on this
+    # CPU), so the job is still running when the first 16 are committed, even on a busy machine
+    # (with 150 the job ended before the replica was found, twice in fresh clones)
+    job_file, job_dir = write_job(tmp_path, rows, long_tail=24, keep_warm_s=0, last_tokens=400)
     log = tmp_path / "driver.log"
     p = cli("run", str(job_file), "--quiet", log=log)
     wait_for(lambda: committed(job_dir) >= 16, BOUND_S, "first parts", p, step=POLL_S)
     replica: list = []
 
     def found() -> bool:
-        replica[:] = [job_replica_with_engine(job_dir)]
+        replica[:] = [job_replica(job_dir)]
         return replica[0] is not None
 
-    wait_for(found, 60, "the replica named in progress.json, with its engine", p, step=0.2)
+    wait_for(found, 60, "the replica named in progress.json", p, step=0.2)
     assert committed(job_dir) < rows, "the job should still be running when its replica is killed"
     replica[0].send_signal(signal.SIGKILL)
     assert p.wait(timeout=BOUND_S) == 0, log.read_text()[-3000:]
