@@ -23,7 +23,11 @@ LAYERS = [
 LONG_MODULES = {"config": "every user-facing setting with its documentation, on one page"}
 #: llmbatch imports allowed inside a function, and why: (importing module, imported module).
 LAZY_IMPORTS = {("cli.serve", "server.main"): "FastAPI & co. (the serve extra) load only when `llmbatch serve` runs",
-                ("cli.serve", "server.settings"): "imported beside server.main, when `llmbatch serve` runs"}
+                ("cli.serve", "server.settings"): "imported beside server.main, when `llmbatch serve` runs",
+                **dict.fromkeys((("cli", "cli.jobs"), ("cli", "cli.getting_started"), ("cli", "cli.serve"),
+                                 ("cli", "cli.base")),
+                                "the commands' imports (Ray, pyarrow, the config layer) come after the start of "
+                                "a job's engine launcher (engines.vllm_early.prewarm), which imports vLLM beside them")}
 #: A cap per concept, not a size to split by: a module owns one thing, and one thing fits in this.
 MAX_LINES = 400
 

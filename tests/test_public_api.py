@@ -5,7 +5,7 @@ import llmbatch
 
 def test_all_is_sorted_and_complete():
     assert llmbatch.__all__ == sorted(llmbatch.__all__)
-    public = {name for name in vars(llmbatch) if not name.startswith("_")}
+    public = {name for name in dir(llmbatch) if not name.startswith("_")}
     modules = {name for name in public if type(getattr(llmbatch, name)).__name__ == "module"}
     assert public - modules - {"annotations"} == set(llmbatch.__all__)
 
@@ -35,6 +35,26 @@ def test_import_is_light():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["False", "False"]
     importlib.import_module("llmbatch.cli")
+
+
+def test_a_corner_of_llmbatch_imports_alone():
+    """The package's names load on first use: a process that needs one module (the engine's
+    launcher, a Ray worker unpickling a stage) does not import Ray Data and the config layer."""
+    import subprocess
+    import sys
+
+    code = ("import sys, llmbatch.startlog, llmbatch.engines.settings;"
+            "print(sorted(m for m in ('ray', 'ray.data', 'llmbatch.config', 'llmbatch.builders', 'pydantic')"
+            " if m in sys.modules)); print(llmbatch.vLLMEngineProcessorConfig.__name__, 'llmbatch.config' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.splitlines()
+    assert out == ["[]", "vLLMEngineProcessorConfig True"], out
+    assert "run_job" in dir(llmbatch)
+    try:
+        llmbatch.no_such_name  # noqa: B018
+    except AttributeError as exc:
+        assert "no_such_name" in str(exc)
+    else:
+        raise AssertionError("llmbatch.no_such_name resolved")
 
 
 def test_build_processor_has_rays_signature():

@@ -71,8 +71,8 @@ def below(proc: psutil.Process, text: str) -> list[psutil.Process]:
 
 
 def launcher_of(driver: subprocess.Popen) -> psutil.Process | None:
-    """The driver's engine launcher (``python -m llmbatch.engines.vllm_early``)."""
-    found = below(psutil.Process(driver.pid), "llmbatch.engines.vllm_early")
+    """The driver's engine launcher (``python -m llmbatch.engines.vllm_launcher FOLDER``)."""
+    found = below(psutil.Process(driver.pid), "llmbatch.engines.vllm_launcher")
     return found[0] if found else None
 
 
@@ -105,7 +105,7 @@ def test_replica_attaches_to_the_launched_engine_and_outlives_its_death(ray_clus
 
         wait_for(lambda: seen("launcher", lambda: launcher_of(p)), 120, "the driver's engine launcher", p, step=0.2)
         launcher = found["launcher"]
-        folder = Path(json.loads(launcher.cmdline()[-1])["attach"]).parent  # its folder: the attach file, its log
+        folder = Path(launcher.cmdline()[-1])  # its folder: the attach file, its log
         wait_for(lambda: committed(job_dir) >= 16, BOUND_S, "the first 16 rows", p, step=0.5)
         engines = below(launcher, "VLLM::EngineCore")
         assert len(engines) == 1, f"the launcher should hold the job's engine: {engines}"

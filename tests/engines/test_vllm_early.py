@@ -82,3 +82,60 @@ def test_a_launcher_that_exited_without_an_engine(tmp_path):
 
 def test_nothing_launched_outside_a_job():
     assert vllm_early.launched() is None
+
+
+def test_the_cli_starts_the_launcher_before_its_own_imports():
+    """``llmbatch run`` hands ``prewarm`` its arguments before it imports its commands (Ray,
+    pyarrow, the config layer): vLLM's import runs beside them."""
+    code = """
+import sys
+import llmbatch.engines.vllm_early as early
+seen = []
+early.prewarm = lambda argv: seen.append(["llmbatch.cli.jobs" in sys.modules, "ray" in sys.modules, argv])
+sys.argv = ["llmbatch", "status", "/nonexistent-job"]
+import llmbatch.cli
+try:
+    llmbatch.cli.main()
+except SystemExit:
+    pass
+print(seen)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip().splitlines()[-1] == "[[False, False, ['status', '/nonexistent-job']]]", out
+
+
+def test_prewarm_only_for_a_jobs_commands_where_the_engine_is_launched_early(monkeypatch):
+    spawned = []
+    monkeypatch.setattr(vllm_early, "_spawn", lambda: spawned.append(1) or None)
+    monkeypatch.setattr(vllm_early, "_one_device_here", lambda: True)
+    monkeypatch.setenv(vllm_early.ENV, "1")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    for argv in (["status", "d"], ["run", "--help"], ["serve"], []):
+        vllm_early.prewarm(argv)
+    monkeypatch.setenv("RAY_ADDRESS", "ray://10.0.0.5:10001")  # the replica may run on another machine
+    vllm_early.prewarm(["run", "job.yaml"])
+    monkeypatch.delenv("RAY_ADDRESS")
+    for value in ("0", "yes"):  # off; a mistake the job's own check reports
+        monkeypatch.setenv(vllm_early.ENV, value)
+        vllm_early.prewarm(["run", "job.yaml"])
+    assert spawned == []
+    monkeypatch.setenv(vllm_early.ENV, "1")
+    for command in vllm_early.PREWARM_COMMANDS:
+        vllm_early.prewarm([command, "job"])
+    assert len(spawned) == len(vllm_early.PREWARM_COMMANDS)
+
+
+def test_a_launcher_not_given_a_spec_ends_mid_import_and_leaves_nothing(monkeypatch):
+    """A job that needs no engine of its own (another engine kind, nothing left to do): the
+    launcher started for it ends as soon as the driver lets go, whether or not vLLM's import is done."""
+    monkeypatch.setenv(vllm_early.ENV, "1")
+    monkeypatch.setattr(vllm_early, "_one_device_here", lambda: True)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    vllm_early.prewarm(["run", "job.yaml"])
+    launcher = vllm_early._prewarmed
+    assert launcher is not None and launcher.proc.poll() is None
+    folder = launcher.attach_path.rsplit("/", 1)[0]
+    vllm_early.stop_all()
+    assert vllm_early._prewarmed is None
+    assert launcher.proc.wait(timeout=60) == 0
+    assert not __import__("os").path.exists(folder), "the launcher should remove its folder"

@@ -163,7 +163,10 @@ class VLLMEngine(Engine):
 
         self.model_path, kwargs = start_kwargs(self.settings)
         early, self.early = self.early, None  # once: a restart starts the replica's own
-        at = vllm_early.attach(early, vllm_early.key_of(self.model_source, self.settings.engine_kwargs, self.task_type))
+        key = vllm_early.key_of(self.model_source, self.settings.engine_kwargs, self.task_type)
+        # (the front-end's config, built while a launched engine starts)
+        ahead = vllm_early.config_ahead(early, key, kwargs, UsageContext.LLM_CLASS)
+        at = vllm_early.attach(early, key)
         if at is not None:
             kwargs = at["kwargs"]  # the engine's own: the front-end's config is the engine's
         stat_loggers = None
@@ -183,7 +186,7 @@ class VLLMEngine(Engine):
             # Offline-batch defaults (vLLM's LLM class: e.g. max_num_seqs 1024 and 16k batched
             # tokens on an H100), not the serving defaults AsyncLLM would pick (128 and 2k).
             if at is not None:  # the engine the driver launched, ready: the front-end attaches
-                self.llm, self._detach = vllm_early.front_end(args, at, UsageContext.LLM_CLASS, stat_loggers)
+                self.llm, self._detach = vllm_early.front_end(args, at, UsageContext.LLM_CLASS, stat_loggers, ahead)
             elif self._fork_server:  # the engine process starts first, the front-end beside it
                 self.llm = vllm_procs.async_llm_engine_first(args, UsageContext.LLM_CLASS, stat_loggers)
             else:

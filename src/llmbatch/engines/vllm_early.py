@@ -9,13 +9,16 @@ externally" (its multi-API-server mode): ``launch_core_engines`` starts the engi
 start-up handshake with ZMQ addresses the launcher picks, and ``AsyncLLM(client_addresses=...)``
 attaches a front-end to them later.
 
-So where a job's one replica will run on this machine, the driver starts a launcher process as
-the job begins (:func:`launch`): it imports vLLM, builds the engine's arguments as the replica
-would (``engines.vllm_setup.start_kwargs``), launches the engine and, once the engine is ready, writes
-how to attach (the addresses, the arguments, the engine's processes) to a file. The replica
-(``VLLMEngine``) attaches where the file's settings are its own (:func:`attach`); otherwise, or
-where the launch failed, it stops that engine and starts its own as before. The launcher lives as
-long as the driver holds its stdin: at the job's end (or the driver's death) it stops the engine.
+So where a job's one replica will run on this machine, the driver hands the engine's spec to a
+launcher process as the job begins (:func:`launch`; ``engines/vllm_launcher.py``): it imports vLLM,
+builds the engine's arguments as the replica would (``engines.vllm_setup.start_kwargs``), launches
+the engine and, once the engine is ready, writes how to attach (the addresses, the arguments, the
+engine's processes) to a file. ``llmbatch run`` starts that launcher first thing (:func:`prewarm`),
+so that vLLM's import (most of its start) runs beside the CLI's own imports and the job's config.
+The replica (``VLLMEngine``) attaches where the file's settings are its own (:func:`attach`);
+otherwise, or where the launch failed, it stops that engine and starts its own as before. The
+launcher lives as long as the driver holds its stdin: at the job's end (or the driver's death) it
+stops the engine.
 The replica adopts the engine's processes into its reaper and watches them: an engine that dies is
 a dead engine to the replica, which restarts its own.
 
@@ -43,9 +46,7 @@ import threading
 import time
 from typing import Any
 
-from llmbatch import startlog
 from llmbatch.engines.settings import VLLMSettings
-from llmbatch.engines.vllm_setup import engine_env, start_kwargs
 from llmbatch.errors import ConfigError
 from llmbatch.reaper import adopt, end_processes, with_descendants
 
@@ -54,8 +55,8 @@ logger = logging.getLogger(__name__)
 ENV = "LLMBATCH_ENGINE_EARLY"
 #: CPUs a machine needs for the engine to be launched early where ``LLMBATCH_ENGINE_EARLY`` is unset
 MIN_CPUS = 8
-#: seconds the launcher leaves its engine to the replica after the job ended, before it stops it
-RELEASE_S = 10.0
+#: the CLI commands that start a launcher before their imports (:func:`prewarm`)
+PREWARM_COMMANDS = ("run", "resume", "retry-errors")
 #: seconds a replica waits for the launcher's engine (while the launcher runs) before it starts its own
 WAIT_S = float(os.environ.get("VLLM_ENGINE_READY_TIMEOUT_S", "600"))
 
@@ -102,21 +103,62 @@ def launch(settings: VLLMSettings) -> Launch | None:
     key = key_of(settings.model_source, settings.engine_kwargs, settings.task_type)
     if key in _launched and _launched[key].proc.poll() is None:
         return _launched[key]
-    folder = tempfile.mkdtemp(prefix="llmbatch-engine-")
-    attach_path = os.path.join(folder, "attach.json")
-    log_path = os.path.join(folder, "engine.log")
+    global _prewarmed
+    found, _prewarmed = _prewarmed, None
+    if found is None or found.proc.poll() is not None:
+        found = _spawn()
+    if found is None:
+        return None
+    found.key = key
     spec = {"model_source": settings.model_source, "engine_kwargs": dict(settings.engine_kwargs),
             "task_type": settings.task_type, "detokenize_stage": settings.detokenize_stage,
-            "attach": attach_path, "key": key}
+            "attach": found.attach_path, "key": key}
+    try:
+        found.proc.stdin.write((json.dumps(spec, default=str) + "\n").encode())
+        found.proc.stdin.flush()
+    except (OSError, ValueError):
+        logger.warning("could not launch the engine early; the replica starts it", exc_info=True)
+        found.stop()
+        return None
+    _launched[key] = found
+    return found
+
+
+def prewarm(argv: list[str]) -> None:
+    """In ``llmbatch run`` (and ``resume``, ``retry-errors``), before the CLI's own imports: start
+    the launcher, which imports vLLM while the driver reads the job; :func:`launch` hands it the
+    spec, and :func:`stop_all` ends it where the job needs no engine of its own."""
+    global _prewarmed
+    if (not argv or argv[0] not in PREWARM_COMMANDS or {"--help", "-h"} & set(argv) or _prewarmed is not None
+            or os.environ.get("RAY_ADDRESS", "").strip() not in ("", "local")):
+        return
+    try:
+        wanted = _enabled() and _one_device_here()
+    except ConfigError:
+        return  # the job's own check says what is wrong with the variable
+    import importlib.util
+
+    if wanted and importlib.util.find_spec("vllm") is not None:
+        _prewarmed = _spawn()
+
+
+#: a launcher started by :func:`prewarm`, waiting for its spec
+_prewarmed: Launch | None = None
+
+
+def _spawn() -> Launch | None:
+    """A launcher process in a folder of its own, importing vLLM until its spec comes."""
+    folder = tempfile.mkdtemp(prefix="llmbatch-engine-")
+    log_path = os.path.join(folder, "engine.log")
     try:
         with open(log_path, "ab") as log:
-            proc = subprocess.Popen([sys.executable, "-m", "llmbatch.engines.vllm_early", json.dumps(spec)],
+            proc = subprocess.Popen([sys.executable, "-m", "llmbatch.engines.vllm_launcher", folder],
                                     stdin=subprocess.PIPE, stdout=log, stderr=log, start_new_session=True)
     except OSError:
         logger.warning("could not launch the engine early; the replica starts it", exc_info=True)
+        shutil.rmtree(folder, ignore_errors=True)
         return None
-    _launched[key] = found = Launch(proc, attach_path, key, log_path)
-    return found
+    return Launch(proc, os.path.join(folder, "attach.json"), "", log_path)
 
 
 def launched() -> dict[str, Any] | None:
@@ -127,7 +169,12 @@ def launched() -> dict[str, Any] | None:
 
 
 def stop_all() -> None:
-    """In the driver, as the job ends: stop every engine it launched."""
+    """In the driver, as the job ends: stop every engine it launched, and a launcher started
+    for one that the job did not need."""
+    global _prewarmed
+    if _prewarmed is not None:
+        _prewarmed.stop()
+        _prewarmed = None
     while _launched:
         _, found = _launched.popitem()
         found.stop()
@@ -259,7 +306,28 @@ def watch(pids: list[int], on_death, closing: threading.Event) -> threading.Thre
     return thread
 
 
-def front_end(args: Any, at: dict[str, Any], usage_context: Any, stat_loggers: list | None) -> tuple[Any, Any]:
+def config_ahead(info: dict[str, Any] | None, key: str, kwargs: dict[str, Any], usage_context: Any) -> Any:
+    """In the replica, before it waits for the launched engine: the front-end's config from the
+    replica's own arguments (vLLM's config build, ~1 s, beside the engine's start instead of after
+    it); :func:`front_end` uses it where the engine's arguments are the same. None where no
+    engine was launched for this replica, or the build fails (the start after reports why)."""
+    if not on_this_machine(info) or info.get("key") != key:
+        return None
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    try:
+        return _same(kwargs), AsyncEngineArgs(**kwargs).create_engine_config(usage_context)
+    except Exception:  # noqa: BLE001 - built again after the wait, where its error is reported
+        logger.debug("the front-end's config could not be built ahead", exc_info=True)
+        return None
+
+
+def _same(kwargs: dict[str, Any]) -> str:
+    return json.dumps(kwargs, sort_keys=True, default=str)
+
+
+def front_end(args: Any, at: dict[str, Any], usage_context: Any, stat_loggers: list | None,
+              ahead: Any = None) -> tuple[Any, Any]:
     """An ``AsyncLLM`` front-end on the engine the driver launched (``at``: :func:`attach`), and
     what stops that engine (the front-end's shutdown leaves processes it did not start). The
     replica adopts the engine's processes (they die with it) and watches them: one that dies makes
@@ -270,7 +338,10 @@ def front_end(args: Any, at: dict[str, Any], usage_context: Any, stat_loggers: l
     pids = list(at["pids"])
     for pid in pids:
         adopt(pid)
-    config = args.create_engine_config(usage_context)
+    if ahead is not None and ahead[0] == _same(at["kwargs"]):
+        config = ahead[1]
+    else:
+        config = args.create_engine_config(usage_context)
     try:
         llm = AsyncLLM(vllm_config=config, executor_class=Executor.get_class(config),
                        log_stats=not args.disable_log_stats, usage_context=usage_context, stat_loggers=stat_loggers,
@@ -296,91 +367,3 @@ def front_end(args: Any, at: dict[str, Any], usage_context: Any, stat_loggers: l
 
     watch(pids, dead, closing)
     return llm, detach
-
-
-# -- the launcher process ----------------------------------------------------------------------
-
-def _launch_engine(spec: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
-    """Start the engine of ``spec`` as the replica would and wait until it is ready: its
-    manager (its processes), the addresses a front-end attaches to, the engine's arguments."""
-    import inspect
-
-    engine_env()
-    settings = VLLMSettings(model_source=spec["model_source"], engine_kwargs=spec["engine_kwargs"],
-                            task_type=spec["task_type"], detokenize_stage=spec["detokenize_stage"])
-    _, kwargs = start_kwargs(settings)
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.usage.usage_lib import UsageContext
-    from vllm.v1.engine import utils as engine_utils
-    from vllm.v1.executor import Executor
-
-    args = AsyncEngineArgs(**kwargs)
-    config = args.create_engine_config(UsageContext.LLM_CLASS)
-    if config.model_config.multimodal_config is not None:
-        # media travel from the front-end to the engine by ways it sets up as it starts (vLLM's
-        # tensor queue): a front-end attached later has none of them
-        raise NotImplementedError("a multimodal model's engine starts in its replica")
-    executor = Executor.get_class(config)
-    log_stats = not args.disable_log_stats  # as the replica's front-end will say (AsyncLLM.from_engine_args)
-    if "addresses" in inspect.signature(engine_utils.launch_core_engines).parameters:
-        addresses = engine_utils.EngineZmqAddresses(inputs=[_ipc_path()], outputs=[_ipc_path()])
-        launching = engine_utils.launch_core_engines(config, executor, log_stats, addresses)
-    else:  # older vLLM: the addresses are made inside and yielded
-        launching = engine_utils.launch_core_engines(config, executor, log_stats)
-    # (the context's exit waits for the engine's ready message; where the start fails, it stops
-    # the engine's processes and raises)
-    with launching as launched:
-        if isinstance(launched, tuple):  # (manager, coordinator, addresses[, tensor queue]: vLLM 0.26)
-            manager, addresses = launched[0], launched[2]
-        else:
-            manager, addresses = launched.engine_manager, launched.addresses
-    return manager, addresses, kwargs
-
-
-def _launcher(spec: dict[str, Any]) -> None:
-    attach_path = spec["attach"]
-
-    def write(payload: dict[str, Any]) -> None:
-        with open(attach_path + ".tmp", "w") as fh:
-            json.dump(payload, fh)
-        os.replace(attach_path + ".tmp", attach_path)
-
-    try:
-        with startlog.timed("vllm-engine", model=spec["model_source"], task=spec["task_type"],
-                            engine_kwargs=spec["engine_kwargs"], launched_early=True):
-            manager, addresses, kwargs = _launch_engine(spec)
-    except BaseException as exc:  # noqa: BLE001 - the replica starts its own and reports its own error
-        logger.exception("the engine could not be launched early")
-        write({"error": f"{type(exc).__name__}: {exc}"})  # (the replica reads it, then starts its own)
-        sys.stdin.read()
-        shutil.rmtree(os.path.dirname(attach_path), ignore_errors=True)
-        return
-    # the engine is ready: the replica's front-end binds these and the engine connects to them
-    write({"input_address": addresses.inputs[0], "output_address": addresses.outputs[0], "kwargs": kwargs,
-           "pids": [p.pid for p in manager.processes]})
-    # Until the driver closes stdin (its job ended) or dies. The replica that attached owns the
-    # engine by then (it stops it as it closes; its reaper ends it if it dies): it gets a moment
-    # to do so before this process stops what is left.
-    sys.stdin.read()
-    deadline = time.monotonic() + RELEASE_S
-    while any(p.is_alive() for p in manager.processes) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    _shutdown(manager)
-    shutil.rmtree(os.path.dirname(attach_path), ignore_errors=True)
-
-
-def _shutdown(manager: Any) -> None:
-    stop = getattr(manager, "shutdown", None) or getattr(manager, "close")  # vLLM 0.32: shutdown
-    stop()
-
-
-def _ipc_path() -> str:
-    try:
-        from vllm.utils.network_utils import get_open_zmq_ipc_path
-    except ImportError:  # older vLLM
-        from vllm.utils import get_open_zmq_ipc_path
-    return get_open_zmq_ipc_path()
-
-
-if __name__ == "__main__":
-    _launcher(json.loads(sys.argv[1]))
