@@ -2,7 +2,7 @@
 
 Systems: ``vllm`` (plain ``vllm.LLM.chat`` with every prompt at once: the engine's own best),
 ``llmbatch`` (the processor API on a Ray Dataset), ``llmbatch-job`` (the job CLI's Python API
-on a JSONL file) and ``ray`` (Ray's ``ray.data.llm``). All get the same requests and the same
+on a JSONL file), ``llmbatch-cli`` (the same job as ``llmbatch run`` in its own process) and ``ray`` (Ray's ``ray.data.llm``). All get the same requests and the same
 pinned engine settings (``max_num_seqs``, ``max_num_batched_tokens`` and the rest, so that no
 system runs on its own defaults), and every system writes its answers to a Parquet file.
 
@@ -258,7 +258,44 @@ def run_llmbatch_job(rows, model_path, args) -> dict:
             "dedup_ratio": stats["dedup_ratio"], "prefix_cache_hit_rate": stats["prefix_cache_hit_rate"]}
 
 
-SYSTEMS = {"vllm": run_vllm, "llmbatch": run_llmbatch, "ray": run_ray, "llmbatch-job": run_llmbatch_job}
+def run_llmbatch_cli(rows, model_path, args) -> dict:
+    """The job as a user runs it from a shell: ``llmbatch run job.yaml`` in a process of its own,
+    started by this one (whose start the wall counts from, as for every system), on the JSONL
+    and hooks of ``llmbatch-job``. The CLI starts the engine's launcher before its own imports
+    where the engine is launched early (``engines/vllm_early.py``, ``prewarm``)."""
+    import subprocess
+    import tempfile
+
+    tmp = Path(tempfile.mkdtemp(prefix="llmbatch-bench-cli-"))
+    with open(tmp / "in.jsonl", "w") as fh:
+        for r in rows:
+            fh.write(json.dumps({"id": r["id"], "messages": r["messages"], "sp": r["sampling_params"]}) + "\n")
+    (tmp / "bench_hooks.py").write_text("def request(row):\n    return {'messages': row['messages'], "
+                                         "'sampling_params': row['sp']}\n")
+    (tmp / "job.yaml").write_text(json.dumps({
+        "input": {"path": str(tmp / "in.jsonl"), "id_column": "id"},
+        "model": {"source": model_path, "engine_kwargs": engine_kwargs(args), "batch_size": args.batch_size,
+                  "concurrency": args.concurrency, "dedup_requests": not args.no_dedup,
+                  "sort_by_prefix": not args.no_sort},
+        "preprocess": "bench_hooks:request", "python_path": [str(tmp)],
+        "output": {"path": args.out_parquet, "columns": ["id", "generated_text", "num_generated_tokens"]},
+    }))
+    subprocess.run([sys.executable, "-m", "llmbatch", "run", str(tmp / "job.yaml"), "--quiet"], check=True, cwd=tmp)
+    end = time.time()  # the CLI exits once the output is written (and fsynced)
+    import pyarrow.parquet as pq
+
+    stats = json.loads((Path(args.out_parquet + ".job") / "stats.json").read_text())  # (the default job dir)
+    table = pq.read_table(stats["output"])
+    return {"rows": table.num_rows, "output_tokens": stats["delivered_tokens"],
+            "generated_tokens": stats["generated_tokens"], "input_tokens": stats["input_tokens"],
+            "first_request_at": stats.get("first_request_at") or end, "first_row_at": None, "last_row_at": end,
+            "phases_s": stats.get("phases_s"),
+            "texts": dict(zip(table.column("id").to_pylist(), table.column("generated_text").to_pylist())),
+            "dedup_ratio": stats["dedup_ratio"], "prefix_cache_hit_rate": stats["prefix_cache_hit_rate"]}
+
+
+SYSTEMS = {"vllm": run_vllm, "llmbatch": run_llmbatch, "ray": run_ray, "llmbatch-job": run_llmbatch_job,
+           "llmbatch-cli": run_llmbatch_cli}
 
 
 class GpuSampler:

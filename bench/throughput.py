@@ -183,7 +183,7 @@ def print_table(workload: str, by_system: dict) -> None:
         mark = " (est.)" if m["estimated"] else ""
         print(f"| {system} | {m['runs']} | {fmt(m['wall_rows_s'])} | {fmt(m['window_rows_s'])}{mark} | {fmt(m['wall_s'], 1)} | "
               f"{fmt(m['to_first_request_s'], 1)} | {fmt(m['generated_tok_s'], 0)} | {fmt(m['delivered_tok_s'], 0)} |")
-    for name in ("llmbatch", "llmbatch-job"):
+    for name in ("llmbatch", "llmbatch-job", "llmbatch-cli"):
         lb = by_system.get(name)
         if not lb:
             continue
