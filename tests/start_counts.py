@@ -6,8 +6,9 @@ plain-vLLM references the tests run. Each xdist worker writes its own file (``gw
 ...), and a line is put on the test file that ran on that worker when the start began (a
 module fixture's engine on the file whose first test set it up).
 
-Counted: engine starts (llmbatch's vLLM and SGLang engines, restarts included; plain-vLLM
-references; ``vllm serve``), Ray clusters started (by a test, or by llmbatch itself where no
+Counted: engine starts (llmbatch's vLLM and SGLang engines, restarts included, an engine a job's
+driver launched for its replica once: the replica's attach is none; plain-vLLM references;
+``vllm serve``), Ray clusters started (by a test, or by llmbatch itself where no
 cluster was there to join), and CLI processes (``llmbatch ...``, ``llmbatch serve`` included).
 """
 
@@ -72,7 +73,13 @@ def count_starts(folder: Path, phases, file_seconds: dict[str, float]) -> dict[s
             # a start counts by the line of its beginning (a killed one too), its seconds by the
             # line of its end
             begins = entry.get("phase") == "begin"
-            if kind in ENGINE_KINDS:
+            if kind in ENGINE_KINDS and entry.get("attach"):
+                # a replica that attaches to the engine its driver launched starts none (the
+                # launcher's line counts it), unless it fell back to its own (its line's end says)
+                own = not begins and entry.get("attached") is False
+                row["engines"] += own
+                row["engine_s"] += (entry.get("seconds") or 0.0) if own else 0.0
+            elif kind in ENGINE_KINDS:
                 row["engines"] += begins
                 row["engine_s"] += entry.get("seconds") or 0.0
             elif begins and (kind == "ray-cluster" or (kind == "ray-init" and not entry.get("joined"))):

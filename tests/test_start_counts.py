@@ -47,3 +47,21 @@ def test_a_start_whose_first_steps_ran_before_its_block_is_timed_from_when_it_be
     done = [json.loads(line) for line in ledger.read_text().splitlines() if "seconds" in line]
     assert abs(done[0]["t0"] - began) < 0.01 and 5.0 <= done[0]["seconds"] < 6.0, done
     assert done[1]["seconds"] < 1.0, done
+
+
+def test_a_replica_attaching_to_the_engine_its_driver_launched_is_no_second_start(tmp_path):
+    """The launcher's line is the engine's start; the replica's line says it attached (no start)
+    or fell back to its own engine (a start, counted by the line's end, with its seconds)."""
+    folder = tmp_path / "kept"
+    folder.mkdir()
+    lines = [{"kind": "vllm-engine", "t0": 1, "pid": 7, "phase": "begin", "launched_early": True},
+             {"kind": "vllm-engine", "t0": 1, "pid": 7, "seconds": 25.0, "ok": True, "launched_early": True},
+             {"kind": "vllm-engine", "t0": 5, "pid": 8, "phase": "begin", "attach": True},
+             {"kind": "vllm-engine", "t0": 5, "pid": 8, "seconds": 22.0, "ok": True, "attach": True, "attached": True},
+             {"kind": "vllm-engine", "t0": 40, "pid": 9, "phase": "begin", "attach": True},
+             {"kind": "vllm-engine", "t0": 40, "pid": 9, "seconds": 30.0, "ok": True, "attach": True,
+              "attached": False},  # the launched engine failed: the replica started its own
+             {"kind": "vllm-engine", "t0": 80, "pid": 10, "phase": "begin", "attach": True}]  # killed mid-attach
+    (folder / "gw0.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    table = count_starts(folder, [("gw0", "tests/a.py", 0, 100)], {"tests/a.py": 100.0})
+    assert table["tests/a.py"]["engines"] == 2 and table["tests/a.py"]["engine_s"] == 55.0, dict(table["tests/a.py"])

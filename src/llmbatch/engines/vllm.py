@@ -25,13 +25,7 @@ from llmbatch.engines.logs import EngineLog
 from llmbatch.engines.lora import Adapters, base_rows_apart
 from llmbatch.engines.pooling import as_vector, classification, cosine, pooling_params
 from llmbatch.engines.settings import VLLMSettings
-from llmbatch.engines.vllm_params import (
-    completion_row,
-    logprobs_rows,
-    pair_tokens,
-    request_digest,
-    sampling_params,
-)
+from llmbatch.engines.vllm_params import completion_row, logprobs_rows, pair_tokens, request_digest, sampling_params
 from llmbatch.engines.vllm_setup import (
     KV_BYTES_ENV,
     engine_env,
@@ -98,8 +92,7 @@ class VLLMEngine(Engine):
         self._fork_server: bool | None = None
         #: the engine the job's driver launched for this replica, once (engines/vllm_early.py)
         self.early: dict[str, Any] | None = None
-        #: stops an attached engine (the front-end's shutdown leaves what it did not start)
-        self._detach = None
+        self._detach = None  # stops an attached engine (the front-end's shutdown leaves what it did not start)
 
     def warm_key(self, gpu: bool = False) -> str:
         """What makes two of these engines interchangeable (a warm engine host serves every run
@@ -129,9 +122,13 @@ class VLLMEngine(Engine):
     async def start(self) -> None:
         self.begin()
         began, self._begun_at = self._begun_at, None  # the start's ledger entry counts begin()'s imports
+        # (attaching to the engine the driver launched is no engine start: the launcher's line is)
+        attach = {"attach": True} if vllm_early.on_this_machine(self.early) else {}
         with startlog.timed("vllm-engine", since=began, model=self.model_source, task=self.task_type,
-                            engine_kwargs=self.settings.engine_kwargs), self.log.capture():
+                            engine_kwargs=self.settings.engine_kwargs, **attach) as line, self.log.capture():
             await self._start()
+            if attach:
+                line["attached"] = self._detach is not None
         self.log.take_loggers()
 
     def prepare(self) -> None:
