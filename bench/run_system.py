@@ -224,38 +224,46 @@ def run_ray(rows, model_path, args) -> dict:
     return result
 
 
-def run_llmbatch_job(rows, model_path, args) -> dict:
-    """The job CLI's Python API on a JSONL file of the same requests (messages_column)."""
+def _job_data(rows, model_path, args, prefix: str) -> tuple[Path, dict]:
+    """A folder with the requests as JSONL and the hooks, and the job (a job file's fields) on them."""
     import tempfile
 
-    from llmbatch import load_job, run_job
-
-    tmp = Path(tempfile.mkdtemp(prefix="llmbatch-bench-job-"))
+    tmp = Path(tempfile.mkdtemp(prefix=prefix))
     with open(tmp / "in.jsonl", "w") as fh:
         for r in rows:
             fh.write(json.dumps({"id": r["id"], "messages": r["messages"], "sp": r["sampling_params"]}) + "\n")
-    hooks = tmp / "bench_hooks.py"
-    hooks.write_text("def request(row):\n    return {'messages': row['messages'], 'sampling_params': row['sp']}\n")
-    spec = load_job(data={
+    (tmp / "bench_hooks.py").write_text("def request(row):\n    return {'messages': row['messages'], "
+                                         "'sampling_params': row['sp']}\n")
+    return tmp, {
         "input": {"path": str(tmp / "in.jsonl"), "id_column": "id"},
         "model": {"source": model_path, "engine_kwargs": engine_kwargs(args), "batch_size": args.batch_size,
                   "concurrency": args.concurrency, "dedup_requests": not args.no_dedup,
                   "sort_by_prefix": not args.no_sort},
         "preprocess": "bench_hooks:request", "python_path": [str(tmp)],
         "output": {"path": args.out_parquet, "columns": ["id", "generated_text", "num_generated_tokens"]},
-    })
-    result = run_job(spec, quiet=True)
-    end = time.time()  # the output is written (and fsynced) when run_job returns
+    }
+
+
+def _job_result(stats: dict, output_path: str, end: float) -> dict:
     import pyarrow.parquet as pq
 
-    table = pq.read_table(result.output_path)
-    stats = result.stats
+    table = pq.read_table(output_path)
     return {"rows": table.num_rows, "output_tokens": stats["delivered_tokens"],
             "generated_tokens": stats["generated_tokens"], "input_tokens": stats["input_tokens"],
             "first_request_at": stats.get("first_request_at") or end, "first_row_at": None, "last_row_at": end,
             "phases_s": stats.get("phases_s"),
             "texts": dict(zip(table.column("id").to_pylist(), table.column("generated_text").to_pylist())),
             "dedup_ratio": stats["dedup_ratio"], "prefix_cache_hit_rate": stats["prefix_cache_hit_rate"]}
+
+
+def run_llmbatch_job(rows, model_path, args) -> dict:
+    """The job CLI's Python API on a JSONL file of the same requests (messages_column)."""
+    from llmbatch import load_job, run_job
+
+    _, data = _job_data(rows, model_path, args, "llmbatch-bench-job-")
+    result = run_job(load_job(data=data), quiet=True)
+    end = time.time()  # the output is written (and fsynced) when run_job returns
+    return _job_result(result.stats, result.output_path, end)
 
 
 def run_llmbatch_cli(rows, model_path, args) -> dict:
@@ -264,34 +272,13 @@ def run_llmbatch_cli(rows, model_path, args) -> dict:
     and hooks of ``llmbatch-job``. The CLI starts the engine's launcher before its own imports
     where the engine is launched early (``engines/vllm_early.py``, ``prewarm``)."""
     import subprocess
-    import tempfile
 
-    tmp = Path(tempfile.mkdtemp(prefix="llmbatch-bench-cli-"))
-    with open(tmp / "in.jsonl", "w") as fh:
-        for r in rows:
-            fh.write(json.dumps({"id": r["id"], "messages": r["messages"], "sp": r["sampling_params"]}) + "\n")
-    (tmp / "bench_hooks.py").write_text("def request(row):\n    return {'messages': row['messages'], "
-                                         "'sampling_params': row['sp']}\n")
-    (tmp / "job.yaml").write_text(json.dumps({
-        "input": {"path": str(tmp / "in.jsonl"), "id_column": "id"},
-        "model": {"source": model_path, "engine_kwargs": engine_kwargs(args), "batch_size": args.batch_size,
-                  "concurrency": args.concurrency, "dedup_requests": not args.no_dedup,
-                  "sort_by_prefix": not args.no_sort},
-        "preprocess": "bench_hooks:request", "python_path": [str(tmp)],
-        "output": {"path": args.out_parquet, "columns": ["id", "generated_text", "num_generated_tokens"]},
-    }))
+    tmp, data = _job_data(rows, model_path, args, "llmbatch-bench-cli-")
+    (tmp / "job.yaml").write_text(json.dumps(data))
     subprocess.run([sys.executable, "-m", "llmbatch", "run", str(tmp / "job.yaml"), "--quiet"], check=True, cwd=tmp)
     end = time.time()  # the CLI exits once the output is written (and fsynced)
-    import pyarrow.parquet as pq
-
     stats = json.loads((Path(args.out_parquet + ".job") / "stats.json").read_text())  # (the default job dir)
-    table = pq.read_table(stats["output"])
-    return {"rows": table.num_rows, "output_tokens": stats["delivered_tokens"],
-            "generated_tokens": stats["generated_tokens"], "input_tokens": stats["input_tokens"],
-            "first_request_at": stats.get("first_request_at") or end, "first_row_at": None, "last_row_at": end,
-            "phases_s": stats.get("phases_s"),
-            "texts": dict(zip(table.column("id").to_pylist(), table.column("generated_text").to_pylist())),
-            "dedup_ratio": stats["dedup_ratio"], "prefix_cache_hit_rate": stats["prefix_cache_hit_rate"]}
+    return _job_result(stats, stats["output"], end)
 
 
 SYSTEMS = {"vllm": run_vllm, "llmbatch": run_llmbatch, "ray": run_ray, "llmbatch-job": run_llmbatch_job,
