@@ -43,9 +43,11 @@ def test_a_corner_of_llmbatch_imports_alone():
     import subprocess
     import sys
 
-    code = ("import sys, llmbatch.startlog, llmbatch.engines.settings;"
-            "print(sorted(m for m in ('ray', 'ray.data', 'llmbatch.config', 'llmbatch.builders', 'pydantic')"
-            " if m in sys.modules)); print(llmbatch.vLLMEngineProcessorConfig.__name__, 'llmbatch.config' in sys.modules)")
+    # (the CLI's package too: its commands' imports come after the engine launcher's start, cli.main)
+    code = ("import sys, llmbatch.startlog, llmbatch.engines.settings, llmbatch.cli;"
+            "print(sorted(m for m in ('ray', 'ray.data', 'llmbatch.config', 'llmbatch.builders', 'pydantic',"
+            " 'pyarrow', 'llmbatch.cli.jobs') if m in sys.modules));"
+            "print(llmbatch.vLLMEngineProcessorConfig.__name__, 'llmbatch.config' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.splitlines()
     assert out == ["[]", "vLLMEngineProcessorConfig True"], out
     assert "run_job" in dir(llmbatch)
