@@ -91,6 +91,7 @@ def test_the_cli_starts_the_launcher_before_its_own_imports(monkeypatch):
     import llmbatch.cli as cli
 
     calls = []
+    monkeypatch.delenv("LLMBATCH_START_LOG", raising=False)  # main() here is no CLI process to count
     monkeypatch.setattr(vllm_early, "prewarm", lambda argv: calls.append(("prewarm", argv)))
     monkeypatch.setattr(vllm_early, "stop_all", lambda: calls.append(("stop_all",)))
     monkeypatch.setattr(cli, "_app", lambda: calls.append(("commands",)) or (lambda: calls.append(("ran",))))
