@@ -92,6 +92,8 @@ def test_the_cli_starts_the_launcher_before_its_own_imports(monkeypatch):
 
     calls = []
     monkeypatch.delenv("LLMBATCH_START_LOG", raising=False)  # main() here is no CLI process to count
+    # nor the test process llmbatch's own (a claimed process lends its terminal to every later job)
+    monkeypatch.setattr(cli.terminal, "_own_process", cli.terminal._own_process)
     monkeypatch.setattr(vllm_early, "prewarm", lambda argv: calls.append(("prewarm", argv)))
     monkeypatch.setattr(vllm_early, "stop_all", lambda: calls.append(("stop_all",)))
     monkeypatch.setattr(cli, "_app", lambda: calls.append(("commands",)) or (lambda: calls.append(("ran",))))
