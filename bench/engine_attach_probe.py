@@ -40,30 +40,11 @@ def engine_config(model: str, kwargs: dict):
     return cfg, Executor.get_class(cfg)
 
 
-def _ipc_path() -> str:
-    try:
-        from vllm.utils.network_utils import get_open_zmq_ipc_path
-    except ImportError:  # older vLLM
-        from vllm.utils import get_open_zmq_ipc_path
-    return get_open_zmq_ipc_path()
-
-
 def launcher(model: str, kwargs: dict, attach: str) -> None:
-    import inspect
-
-    from vllm.v1.engine import utils as engine_utils
+    from llmbatch.engines.vllm_launcher import core_engines
 
     cfg, executor = engine_config(model, kwargs)
-    if "addresses" in inspect.signature(engine_utils.launch_core_engines).parameters:  # vLLM 0.32
-        addresses = engine_utils.EngineZmqAddresses(inputs=[_ipc_path()], outputs=[_ipc_path()])
-        launching = engine_utils.launch_core_engines(cfg, executor, False, addresses)
-    else:  # older vLLM: the addresses are made inside and yielded
-        launching = engine_utils.launch_core_engines(cfg, executor, False)
-    with launching as launch:
-        if isinstance(launch, tuple):  # (manager, coordinator, addresses[, tensor queue]: vLLM 0.26)
-            manager, addresses = launch[0], launch[2]
-        else:
-            manager, addresses = launch.engine_manager, launch.addresses
+    with core_engines(cfg, executor, False) as (manager, addresses):
         with open(attach + ".tmp", "w") as fh:  # the front-end may bind now: the engine connects to it
             json.dump({"input_address": addresses.inputs[0], "output_address": addresses.outputs[0]}, fh)
         os.rename(attach + ".tmp", attach)

@@ -12,6 +12,7 @@ job needed no engine of its own) ends it at once, even in the middle of its impo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -19,6 +20,7 @@ import shutil
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from llmbatch import startlog
@@ -61,17 +63,35 @@ def _import_vllm() -> None:
     import vllm.v1.executor  # noqa: F401
 
 
+@contextlib.contextmanager
+def core_engines(config: Any, executor: Any, log_stats: bool) -> Iterator[tuple[Any, Any]]:
+    """vLLM's ``launch_core_engines`` on ZMQ addresses of ours where it takes them (vLLM 0.32;
+    older ones make them and yield them): ``(manager, addresses)`` once the engine's processes
+    are started, before it is ready; the exit waits for its ready message."""
+    import inspect
+
+    from vllm.v1.engine import utils as engine_utils
+
+    if "addresses" in inspect.signature(engine_utils.launch_core_engines).parameters:
+        addresses = engine_utils.EngineZmqAddresses(inputs=[_ipc_path()], outputs=[_ipc_path()])
+        launching = engine_utils.launch_core_engines(config, executor, log_stats, addresses)
+    else:
+        launching = engine_utils.launch_core_engines(config, executor, log_stats)
+    with launching as launched:
+        if isinstance(launched, tuple):  # (manager, coordinator, addresses[, tensor queue]: vLLM 0.26)
+            yield launched[0], launched[2]
+        else:
+            yield launched.engine_manager, launched.addresses
+
+
 def _launch_engine(spec: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
     """Start the engine of ``spec`` as the replica would and wait until it is ready: its
     manager (its processes), the addresses a front-end attaches to, the engine's arguments."""
-    import inspect
-
     settings = VLLMSettings(model_source=spec["model_source"], engine_kwargs=spec["engine_kwargs"],
                             task_type=spec["task_type"], detokenize_stage=spec["detokenize_stage"])
     _, kwargs = start_kwargs(settings)
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.usage.usage_lib import UsageContext
-    from vllm.v1.engine import utils as engine_utils
     from vllm.v1.executor import Executor
 
     args = AsyncEngineArgs(**kwargs)
@@ -82,18 +102,10 @@ def _launch_engine(spec: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
         raise NotImplementedError("a multimodal model's engine starts in its replica")
     executor = Executor.get_class(config)
     log_stats = not args.disable_log_stats  # as the replica's front-end will say (AsyncLLM.from_engine_args)
-    if "addresses" in inspect.signature(engine_utils.launch_core_engines).parameters:
-        addresses = engine_utils.EngineZmqAddresses(inputs=[_ipc_path()], outputs=[_ipc_path()])
-        launching = engine_utils.launch_core_engines(config, executor, log_stats, addresses)
-    else:  # older vLLM: the addresses are made inside and yielded
-        launching = engine_utils.launch_core_engines(config, executor, log_stats)
     # (the context's exit waits for the engine's ready message; where the start fails, it stops
     # the engine's processes and raises)
-    with launching as launched:
-        if isinstance(launched, tuple):  # (manager, coordinator, addresses[, tensor queue]: vLLM 0.26)
-            manager, addresses = launched[0], launched[2]
-        else:
-            manager, addresses = launched.engine_manager, launched.addresses
+    with core_engines(config, executor, log_stats) as (manager, addresses):
+        pass
     return manager, addresses, kwargs
 
 
