@@ -137,3 +137,35 @@ def test_a_launcher_not_given_a_spec_ends_mid_import_and_leaves_nothing(monkeypa
     assert vllm_early._prewarmed is None
     assert launcher.proc.wait(timeout=60) == 0
     assert not __import__("os").path.exists(folder), "the launcher should remove its folder"
+
+
+FORK_AFTER_SPEC = """
+import multiprocessing, sys, tempfile
+from llmbatch.engines.vllm_launcher import Stdin
+
+stdin = Stdin(tempfile.mkdtemp())
+assert stdin.has_spec.wait(30), "no spec"
+child = multiprocessing.get_context("fork").Process(target=int)  # as vLLM starts a GPU engine
+child.start()
+child.join(20)
+print("child exit", child.exitcode, flush=True)
+if child.exitcode is None:
+    child.kill()
+"""
+
+
+def test_a_process_the_launcher_forks_while_waiting_for_the_driver_starts():
+    """The launcher forks vLLM's engine (on a GPU) while its stdin thread waits for the driver to
+    let go. Reading Python's ``sys.stdin`` there held its buffer's lock, and the forked engine's
+    first step (closing its stdin) waited for it for ever: a job on one H200 waited 455 s with the
+    engine never started. The child must start and end."""
+    proc = subprocess.Popen([sys.executable, "-c", FORK_AFTER_SPEC], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        proc.stdin.write(json.dumps({"attach": "unused"}) + "\n")
+        proc.stdin.flush()  # and kept open: the driver's job is still running
+        out = proc.stdout.readline()  # the script's bounds: 30 s for the spec, 20 s for the child
+        assert out.strip() == "child exit 0", f"the forked process did not run to its end: {out!r}"
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=30)

@@ -44,13 +44,25 @@ class Stdin:
         threading.Thread(target=self._read, name="llmbatch-launcher-stdin", daemon=True).start()
 
     def _read(self) -> None:
-        line = sys.stdin.readline()
+        # The file descriptor itself, never ``sys.stdin``: a thread blocked in a read of Python's
+        # stdin holds its buffer's lock, and a process forked meanwhile (vLLM forks the engine on a
+        # GPU) inherits it held: the child's first step closes its stdin (multiprocessing's
+        # ``_close_stdin``) and waits for that lock for ever.
+        fd = sys.stdin.fileno()
+        data = b""
+        while b"\n" not in data:
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                break
+            data += chunk
+        line = data.split(b"\n", 1)[0]
         if not line.strip():  # closed before a spec: no engine is wanted; stop even mid-import
             shutil.rmtree(self.folder, ignore_errors=True)
             os._exit(0)
         self.spec = json.loads(line)
         self.has_spec.set()
-        sys.stdin.read()
+        while os.read(fd, 1 << 16):
+            pass
         self.ended.set()
 
 
