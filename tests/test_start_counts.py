@@ -65,3 +65,19 @@ def test_a_replica_attaching_to_the_engine_its_driver_launched_is_no_second_star
     (folder / "gw0.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     table = count_starts(folder, [("gw0", "tests/a.py", 0, 100)], {"tests/a.py": 100.0})
     assert table["tests/a.py"]["engines"] == 2 and table["tests/a.py"]["engine_s"] == 55.0, dict(table["tests/a.py"])
+
+
+def test_a_command_line_that_exits_0_is_a_start_that_went_well(tmp_path, monkeypatch):
+    """typer ends every command with SystemExit: code 0 is ok, any other code is not (the GPU
+    ledger of a finished 10,000-row ``llmbatch run`` said ``ok: false``)."""
+    import pytest
+
+    from llmbatch import startlog
+
+    ledger = tmp_path / "starts.jsonl"
+    monkeypatch.setenv(startlog.ENV, str(ledger))
+    for code in (0, None, 2):
+        with pytest.raises(SystemExit), startlog.timed("cli", command="run"):
+            raise SystemExit(code)
+    done = [json.loads(line) for line in ledger.read_text().splitlines() if "seconds" in line]
+    assert [d["ok"] for d in done] == [True, True, False], done

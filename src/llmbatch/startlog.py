@@ -55,5 +55,8 @@ def timed(kind: str, since: float | None = None, **fields: Any) -> Iterator[dict
     try:
         yield extra
         ok = True
+    except SystemExit as exc:  # a command line's end: ok where it exits 0 (typer always exits)
+        ok = exc.code in (0, None)
+        raise
     finally:
         record(kind, t0, time.perf_counter() - start, ok, **extra)

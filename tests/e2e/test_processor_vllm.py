@@ -172,7 +172,11 @@ def test_two_replicas_answer_every_row_once(no_post):
     rows, out, _ = no_post
     assert sorted(r["id"] for r in out) == [r["id"] for r in rows]
     replicas = {r[STATS]["replica"] for r in out}
-    assert len(replicas) == 2, replicas
+    # (once in a fresh clone's full suite one replica answered all 32 rows: what each replica
+    # recorded, to tell a late or restarted replica from rows not shared)
+    seen = {r[STATS]["replica"]: {k: r[STATS][k] for k in ("start_at", "ready_at", "first_request_at", "restarts")}
+            for r in out}
+    assert len(replicas) == 2, seen
 
 
 def test_legacy_spellings_run(ray_cluster, smollm2):

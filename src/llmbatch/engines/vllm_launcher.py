@@ -39,6 +39,7 @@ class Stdin:
     def __init__(self, folder: str):
         self.folder = folder
         self.spec: dict[str, Any] | None = None
+        self.spec_at = 0.0  # when the spec came (epoch s)
         self.has_spec = threading.Event()
         self.ended = threading.Event()
         threading.Thread(target=self._read, name="llmbatch-launcher-stdin", daemon=True).start()
@@ -60,6 +61,7 @@ class Stdin:
             shutil.rmtree(self.folder, ignore_errors=True)
             os._exit(0)
         self.spec = json.loads(line)
+        self.spec_at = time.time()
         self.has_spec.set()
         while os.read(fd, 1 << 16):
             pass
@@ -129,6 +131,7 @@ def main(folder: str) -> None:
         imported = None
     except BaseException as exc:  # noqa: BLE001 - reported in the attach file once the spec says where
         imported = exc
+    imported_s = round(time.time() - began, 3)
     stdin.has_spec.wait()
     spec = stdin.spec
     assert spec is not None
@@ -143,7 +146,8 @@ def main(folder: str) -> None:
         # the start counts from this process's start: its vLLM import is the start's first step
         with startlog.timed("vllm-engine", since=began, model=spec["model_source"], task=spec["task_type"],
                             engine_kwargs=spec["engine_kwargs"], launched_early=True,
-                            spec_after_s=round(time.time() - began, 3)):
+                            imported_s=imported_s, spec_after_s=round(stdin.spec_at - began, 3),
+                            launch_after_s=round(time.time() - began, 3)):
             if imported is not None:
                 raise imported
             manager, addresses, kwargs = _launch_engine(spec)
