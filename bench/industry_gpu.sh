@@ -23,6 +23,9 @@ install)
   sha256sum ray-2.60.0-*.whl
   cd - >/dev/null
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/kit/*.whl "$P"/wheels/*.whl 2>&1 | tail -3
+  # bytecode once, on every core, as a user's pip install leaves it: without it a machine that
+  # writes none compiles vLLM's sources in every process (each system's start alike)
+  python3 -m compileall -q -j 0 /tmp/site "$P"/src >/dev/null 2>&1; echo "compiled: $?"
   export PYTHONPATH=/tmp/site:$P/src
   python3 -c "import vllm, ray, llmbatch, torch; print('vllm', vllm.__version__, 'ray', ray.__version__, 'torch', torch.__version__, torch.cuda.get_device_name(0), llmbatch.__file__)"
   mkdir -p /tmp/data
