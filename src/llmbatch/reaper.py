@@ -8,6 +8,7 @@ pipe whose other end only the replica holds: when the replica dies, for whatever
 pipe closes and the reaper kills the processes the replica had started. A process another
 process started for the replica (vLLM's engine process, forked by the driver's fork server:
 ``engines/vllm_procs.py``) is handed to the reaper through the same pipe (:func:`adopt`).
+:class:`TreeProgress` tells a process tree that starts an engine from one that hangs.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 #: How often the reaper refreshes the list of the replica's descendants
 #: (``LLMBATCH_REAPER_REFRESH_S`` sets it: a test that kills a replica seconds after it started
@@ -190,6 +192,40 @@ def processes_naming(text: str) -> list:
         except psutil.Error:
             continue
     return found
+
+
+class TreeProgress:
+    """Whether a process and its descendants make progress while something waits for them: their
+    CPU time (user and system), sampled every few seconds, grew at least ``min_cpu_s`` over the
+    last ``window_s`` (a start that imports, loads, compiles or allocates uses CPU; a deadlocked
+    one uses none)."""
+
+    def __init__(self, pid: int, window_s: float, min_cpu_s: float):
+        self.pid, self.window_s, self.min_cpu_s = pid, window_s, min_cpu_s
+        self.samples: list[tuple[float, float]] = []
+
+    def stalled(self) -> bool:
+        now = time.monotonic()
+        if self.samples and now - self.samples[-1][0] < min(5.0, self.window_s / 4):
+            return False
+        self.samples.append((now, self.cpu_s()))
+        old = [s for s in self.samples if now - s[0] >= self.window_s]
+        if not old:
+            return False
+        self.samples = self.samples[len(old) - 1:]  # from the newest sample a whole window old
+        return self.samples[-1][1] - old[-1][1] < self.min_cpu_s
+
+    def cpu_s(self) -> float:
+        import psutil
+
+        total = 0.0
+        for proc in with_descendants([self.pid]):
+            try:
+                times = proc.cpu_times()
+                total += times.user + times.system
+            except psutil.Error:
+                pass
+        return total
 
 
 if __name__ == "__main__":

@@ -169,3 +169,33 @@ def test_a_process_the_launcher_forks_while_waiting_for_the_driver_starts():
     finally:
         proc.stdin.close()
         proc.wait(timeout=30)
+
+
+def test_a_launch_that_makes_no_progress_is_given_up_long_before_the_ready_bound(tmp_path, monkeypatch, caplog):
+    """A launch that uses no CPU (deadlocked, as the engine forked beside a held stdin lock was on
+    one H200) is stopped after STALL_S, not after vLLM's 600-s ready bound."""
+    monkeypatch.setattr(vllm_early, "STALL_S", 1.0)
+    proc, info = a_launcher(tmp_path)  # sleeps: no CPU
+    try:
+        began = time.monotonic()
+        assert vllm_early.attach(info, "k") is None
+        assert time.monotonic() - began < 20
+        assert proc.wait(timeout=30) is not None, "the stalled launcher should be stopped"
+        assert "made no progress" in caplog.text, caplog.text
+    finally:
+        proc.kill()
+
+
+def test_a_launch_that_works_is_not_taken_for_a_stalled_one(tmp_path, monkeypatch, caplog):
+    """A launcher busy at its start (here: a loop at one core) is waited for until the ready bound."""
+    monkeypatch.setattr(vllm_early, "STALL_S", 1.0)
+    monkeypatch.setattr(vllm_early, "WAIT_S", 3.0)
+    proc = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 300\nwhile time.time() < end: pass"])
+    info = {"attach": str(tmp_path / "attach.json"), "key": "k", "host": socket.gethostname(),
+            "launcher": proc.pid, "log": str(tmp_path / "engine.log")}
+    try:
+        assert vllm_early.attach(info, "k") is None
+        assert "not ready after" in caplog.text and "made no progress" not in caplog.text, caplog.text
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)

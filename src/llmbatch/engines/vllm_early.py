@@ -48,7 +48,7 @@ from typing import Any
 
 from llmbatch.engines.settings import VLLMSettings
 from llmbatch.errors import ConfigError
-from llmbatch.reaper import adopt, end_processes, with_descendants
+from llmbatch.reaper import TreeProgress, adopt, end_processes, with_descendants
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +59,11 @@ MIN_CPUS = 8
 PREWARM_COMMANDS = ("run", "resume", "retry-errors")
 #: seconds a replica waits for the launcher's engine (while the launcher runs) before it starts its own
 WAIT_S = float(os.environ.get("VLLM_ENGINE_READY_TIMEOUT_S", "600"))
+#: seconds in which a launch that is not ready must use :data:`STALL_CPU_S` of CPU (the launcher
+#: and its engine together), or the replica gives up on it: every step of a start (imports, config,
+#: loading weights, compiling, the KV cache, CUDA graphs) uses CPU, a deadlocked one none
+STALL_S = 120.0
+STALL_CPU_S = 0.5
 
 
 class Launch:
@@ -245,12 +250,19 @@ def attach(info: dict[str, Any] | None, key: str) -> dict[str, Any] | None:
         return None
     deadline = time.monotonic() + WAIT_S
     path = info["attach"]
+    progress = TreeProgress(info["launcher"], STALL_S, STALL_CPU_S)
     while not os.path.exists(path):
         if not _running(info["launcher"]):
             return None
         if time.monotonic() > deadline:
             logger.warning("the engine launched early was not ready after %.0f s: it is stopped and the "
                            "replica starts its own", WAIT_S)
+            _end([info["launcher"]])
+            return None
+        if progress.stalled():
+            logger.warning("the engine launched early made no progress in %.0f s (its processes used "
+                           "under %.1f CPU-s; its log: %s): it is stopped and the replica starts its own",
+                           STALL_S, STALL_CPU_S, info.get("log"))
             _end([info["launcher"]])
             return None
         time.sleep(0.05)
