@@ -221,8 +221,8 @@ class TreeProgress:
         total = 0.0
         for proc in with_descendants([self.pid]):
             try:
-                times = proc.cpu_times()
-                total += times.user + times.system
+                times = proc.cpu_times()  # (with the children it reaped: their time stays counted)
+                total += times.user + times.system + times.children_user + times.children_system
             except psutil.Error:
                 pass
         return total
