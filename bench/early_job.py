@@ -71,7 +71,6 @@ def one_run(tag: str, src: str, early: str, rows: int, max_tokens: int) -> dict:
             "launcher_start_s": at(launched[0]["t0"]) if launched else None,
             "launcher_spec_after_s": launched[0].get("spec_after_s") if launched else None,
             "launcher_imported_s": launched[0].get("imported_s") if launched else None,
-            "launcher_launch_after_s": launched[0].get("launch_after_s") if launched else None,
             "launched_ready_s": at(launched[0]["t0"] + launched[0]["seconds"]) if launched else None,
             "replica_engine_start_s": at(replica[0]["t0"]) if replica else None,
             "replica_engine_ready_s": at(replica[0]["t0"] + replica[0]["seconds"]) if replica else None,

@@ -146,8 +146,7 @@ def main(folder: str) -> None:
         # the start counts from this process's start: its vLLM import is the start's first step
         with startlog.timed("vllm-engine", since=began, model=spec["model_source"], task=spec["task_type"],
                             engine_kwargs=spec["engine_kwargs"], launched_early=True,
-                            imported_s=imported_s, spec_after_s=round(stdin.spec_at - began, 3),
-                            launch_after_s=round(time.time() - began, 3)):
+                            imported_s=imported_s, spec_after_s=round(stdin.spec_at - began, 3)):
             if imported is not None:
                 raise imported
             manager, addresses, kwargs = _launch_engine(spec)
