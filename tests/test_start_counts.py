@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from start_counts import count_starts, format_counts
 
 
@@ -70,8 +71,6 @@ def test_a_replica_attaching_to_the_engine_its_driver_launched_is_no_second_star
 def test_a_command_line_that_exits_0_is_a_start_that_went_well(tmp_path, monkeypatch):
     """typer ends every command with SystemExit: code 0 is ok, any other code is not (the GPU
     ledger of a finished 10,000-row ``llmbatch run`` said ``ok: false``)."""
-    import pytest
-
     from llmbatch import startlog
 
     ledger = tmp_path / "starts.jsonl"

@@ -32,9 +32,9 @@ def test_on_by_default_only_with_enough_cpus(monkeypatch):
         vllm_early._enabled()
 
 
-def a_launcher(tmp_path, key: str = "k") -> tuple[subprocess.Popen, dict]:
+def a_launcher(tmp_path, key: str = "k", code: str = "import time; time.sleep(300)") -> tuple[subprocess.Popen, dict]:
     """A process standing in for a launcher whose engine is not ready (no attach file yet)."""
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    proc = subprocess.Popen([sys.executable, "-c", code])
     return proc, {"attach": str(tmp_path / "attach.json"), "key": key, "host": socket.gethostname(),
                   "launcher": proc.pid, "log": str(tmp_path / "engine.log")}
 
@@ -190,9 +190,7 @@ def test_a_launch_that_works_is_not_taken_for_a_stalled_one(tmp_path, monkeypatc
     """A launcher busy at its start (here: a loop at one core) is waited for until the ready bound."""
     monkeypatch.setattr(vllm_early, "STALL_S", 1.0)
     monkeypatch.setattr(vllm_early, "WAIT_S", 3.0)
-    proc = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 300\nwhile time.time() < end: pass"])
-    info = {"attach": str(tmp_path / "attach.json"), "key": "k", "host": socket.gethostname(),
-            "launcher": proc.pid, "log": str(tmp_path / "engine.log")}
+    proc, info = a_launcher(tmp_path, code="import time\nend = time.time() + 300\nwhile time.time() < end: pass")
     try:
         assert vllm_early.attach(info, "k") is None
         assert "not ready after" in caplog.text and "made no progress" not in caplog.text, caplog.text
