@@ -1,38 +1,35 @@
 """vLLM's engine launched by a job's driver as the job begins, before its replica exists.
 
 A replica's engine starts only once Ray has started, Ray Data has placed the replica and the
-replica has imported vLLM and built the engine's config: on an H200 the engine was ready 47 s
-after the process started where plain vLLM's was ready at 34 s, and on this 2-core CPU a front-end
-that starts 10 s late (Ray's start) is ready 10 s late (bench/RESULTS.md, "The engine's imports
-before the replica"; ``bench/engine_attach_probe.py``). vLLM can run engines "managed
-externally" (its multi-API-server mode): ``launch_core_engines`` starts the engine and answers its
-start-up handshake with ZMQ addresses the launcher picks, and ``AsyncLLM(client_addresses=...)``
-attaches a front-end to them later.
+replica has imported vLLM and built the engine's config: on an H200 its engine was ready at 47 s
+where plain vLLM's was at 34 s (bench/RESULTS.md, "The engine's imports before the replica").
+vLLM can run engines "managed externally" (its multi-API-server mode): ``launch_core_engines``
+starts the engine and answers its handshake with ZMQ addresses the launcher picks, and
+``AsyncLLM(client_addresses=...)`` attaches a front-end to them later.
 
 So where a job's one replica will run on this machine, the driver hands the engine's spec to a
 launcher process as the job begins (:func:`launch`; ``engines/vllm_launcher.py``): it imports vLLM,
 builds the engine's arguments as the replica would (``engines.vllm_setup.start_kwargs``), launches
-the engine and, once the engine is ready, writes how to attach (the addresses, the arguments, the
-engine's processes) to a file. ``llmbatch run`` starts that launcher first thing (:func:`prewarm`),
-so that vLLM's import (most of its start) runs beside the CLI's own imports and the job's config.
-The replica (``VLLMEngine``) attaches where the file's settings are its own (:func:`attach`);
-otherwise, or where the launch failed, it stops that engine and starts its own as before. The
-launcher lives as long as the driver holds its stdin: at the job's end (or the driver's death) it
-stops the engine.
-The replica adopts the engine's processes into its reaper and watches them: an engine that dies is
-a dead engine to the replica, which restarts its own.
+the engine and, once it is ready, writes how to attach (the addresses, the arguments, the engine's
+processes) to a file. ``llmbatch run`` starts that launcher first thing (:func:`prewarm`), so that
+vLLM's import runs beside the CLI's own imports and the job's config. The replica attaches where
+the file's settings are its own (:func:`attach`; its front-end's config and tokenizer are built
+while it waits, :func:`config_ahead`); otherwise, or where the launch failed, it stops that engine
+and starts its own. The launcher lives as long as the driver holds its stdin: at the job's end (or
+the driver's death) it stops the engine. The replica adopts the engine's processes into its reaper
+and watches them: an engine that dies is a dead engine to the replica, which restarts its own.
 
 Only for one single-process replica of a job, no warm engine (``keep_warm_s`` 0), no LoRA, no
-placement group, Ray on this machine and at most one GPU here (the replica's device is then the
-launcher's), and by default only on machines of :data:`MIN_CPUS` or more CPUs: on one H200 host
-(16 cores) a 10,000-row job's first request came 7 s sooner with it (99.2-100.6 s whole against
-101.6-111.4 s, 3 rounds), while on a 2-core laptop the launcher's vLLM import takes the cores Ray's
-start needs (a 200-row job 34 s against 25 s; bench/RESULTS.md). ``LLMBATCH_ENGINE_EARLY=1`` turns
-it on anywhere, ``0`` off.
+placement group, Ray on this machine and at most one GPU here, and by default only on machines of
+:data:`MIN_CPUS` or more CPUs: on one H200 host (16 cores) a 10,000-row job's first request came
+7 s sooner with it, while on a 2-core laptop the launcher's vLLM import takes the cores Ray's
+start needs (a 200-row job 34 s against 25 s). ``LLMBATCH_ENGINE_EARLY=1`` turns it on anywhere,
+``0`` off.
 """
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import logging
@@ -81,9 +78,8 @@ class Launch:
                 "launcher": self.proc.pid, "log": self.log_path}
 
     def stop(self) -> None:
-        """Tell the launcher the job ended (its stdin closes) without waiting for it: it leaves
-        the engine to the replica that attached for a moment, stops what is left and removes its
-        folder on its own (a driver that waited here spent 5.4 s of every job's end)."""
+        """Tell the launcher the job ended (its stdin closes) without waiting for it: it stops the
+        engine (a moment after, for the replica that attached) and removes its folder on its own."""
         try:
             if self.proc.stdin is not None:
                 self.proc.stdin.close()
@@ -168,7 +164,7 @@ def _spawn() -> Launch | None:
 
 def launched() -> dict[str, Any] | None:
     """In the driver, as the processor runs: the engine it launched (one a job), if its launcher
-    still runs; the replica checks that its settings are the replica's own (:func:`attach`)."""
+    still runs (the replica checks its settings, :func:`attach`)."""
     found = next((launch for launch in _launched.values() if launch.proc.poll() is None), None)
     return found.info() if found is not None else None
 
@@ -279,8 +275,7 @@ def attach(info: dict[str, Any] | None, key: str) -> dict[str, Any] | None:
 
 def _running(pid: int) -> bool:
     try:
-        os.kill(pid, 0)
-        return True
+        return os.kill(pid, 0) is None
     except OSError:
         return False
 
@@ -320,18 +315,40 @@ def watch(pids: list[int], on_death, closing: threading.Event) -> threading.Thre
 
 def config_ahead(info: dict[str, Any] | None, key: str, kwargs: dict[str, Any], usage_context: Any) -> Any:
     """In the replica, before it waits for the launched engine: the front-end's config from the
-    replica's own arguments (vLLM's config build, ~1 s, beside the engine's start instead of after
-    it); :func:`front_end` uses it where the engine's arguments are the same. None where no
-    engine was launched for this replica, or the build fails (the start after reports why)."""
+    replica's own arguments (~1 s) and its renderer (the tokenizer's load and copies: 1.1 s of the
+    front-end's 1.25 s on this CPU), built beside the engine's start instead of after it;
+    :func:`front_end` uses them where the engine's arguments are the same. None where no engine
+    was launched for this replica, or the build fails (the start after reports why)."""
     if not on_this_machine(info) or info.get("key") != key:
         return None
     from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.renderers import renderer_from_config
 
     try:
-        return _same(kwargs), AsyncEngineArgs(**kwargs).create_engine_config(usage_context)
+        config = AsyncEngineArgs(**kwargs).create_engine_config(usage_context)
+        return _same(kwargs), config, renderer_from_config(config)
     except Exception:  # noqa: BLE001 - built again after the wait, where its error is reported
         logger.debug("the front-end's config could not be built ahead", exc_info=True)
         return None
+
+
+@contextlib.contextmanager
+def renderer_given(ahead: Any):
+    """While ``AsyncLLM`` is built: vLLM's ``renderer_from_config`` returns the renderer
+    :func:`config_ahead` built for that config (where AsyncLLM calls it by another name, the
+    tokenizer vLLM cached is what was gained)."""
+    from vllm.v1.engine import async_llm
+
+    own = async_llm.__dict__.get("renderer_from_config")
+    if ahead is None or own is None:
+        yield
+        return
+    # (AsyncLLM's constructor does not await: nothing else runs on this loop while it is swapped)
+    async_llm.renderer_from_config = lambda cfg, **kw: ahead[2] if cfg is ahead[1] and not kw else own(cfg, **kw)
+    try:
+        yield
+    finally:
+        async_llm.renderer_from_config = own
 
 
 def _same(kwargs: dict[str, Any]) -> str:
@@ -350,14 +367,16 @@ def front_end(args: Any, at: dict[str, Any], usage_context: Any, stat_loggers: l
     pids = list(at["pids"])
     for pid in pids:
         adopt(pid)
-    if ahead is not None and ahead[0] == _same(at["kwargs"]):
-        config = ahead[1]
-    else:
-        config = args.create_engine_config(usage_context)
+    if ahead is not None and ahead[0] != _same(at["kwargs"]):
+        ahead[2].shutdown()  # built for other arguments than the engine's
+        ahead = None
+    config = ahead[1] if ahead is not None else args.create_engine_config(usage_context)
     try:
-        llm = AsyncLLM(vllm_config=config, executor_class=Executor.get_class(config),
-                       log_stats=not args.disable_log_stats, usage_context=usage_context, stat_loggers=stat_loggers,
-                       client_addresses={"input_address": at["input_address"], "output_address": at["output_address"]})
+        with renderer_given(ahead):
+            llm = AsyncLLM(vllm_config=config, executor_class=Executor.get_class(config),
+                           log_stats=not args.disable_log_stats, usage_context=usage_context,
+                           stat_loggers=stat_loggers, client_addresses={"input_address": at["input_address"],
+                                                                        "output_address": at["output_address"]})
     except BaseException:
         _end(pids)
         raise
