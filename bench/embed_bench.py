@@ -349,7 +349,7 @@ def main() -> None:
             if "error" not in r:
                 r["rows_s_wall"] = r["rows"] / r["wall_s"]
                 r["rows_s_steady"] = r["rows"] / r["steady_s"] if r.get("steady_s") else None
-                if rep == 0 and system != "llmbatch-job":
+                if rep == 0:
                     r["_vectors"] = vectors(r, folder)
             print(json.dumps({k: v for k, v in r.items() if not k.startswith("_")}), flush=True)
     first = {r["system"]: r.get("_vectors") for r in runs if r["repeat"] == 0}

@@ -29,12 +29,11 @@ import json, sys
 r = json.load(open(sys.argv[1]))
 walls = {s: (v["wall_s"]["median"], v["wall_s"]["min"], v["wall_s"]["max"]) if v["wall_s"] else None
          for s, v in r["summary"].items()}
-ratio = r["ratios_vs_vllm"].get("llmbatch", {})
 gpu = next((x.get("gpu") for x in r["runs"] if x.get("gpu")), "?")
 print("SUMMARY", f"rows={r['rows']}", f"gpu={gpu}", f"warmup={r['warmup']['done']}",
       " ".join(f"{s}_wall_median={w[0]:.1f}s({w[1]:.1f}-{w[2]:.1f})" if w else f"{s}=failed" for s, w in walls.items()),
-      f"ratio_llmbatch_vs_vllm={ratio.get('wall', float('nan')):.3f}",
-      f"per_round={[round(x, 3) if x else None for x in ratio.get('wall_per_round', [])]}",
-      f"min_cosine={r['min_cosine_vs_vllm'].get('llmbatch')}", f"json={sys.argv[1]}")
+      *(f"ratio_{s}_vs_vllm={ratio.get('wall', float('nan')):.3f} per_round="
+        f"{[round(x, 3) if x else None for x in ratio.get('wall_per_round', [])]}" for s, ratio in r["ratios_vs_vllm"].items()),
+      f"min_cosine={r['min_cosine_vs_vllm']}", f"json={sys.argv[1]}")
 PY
 exit $rc
