@@ -221,4 +221,9 @@ def test_the_front_end_gets_the_renderer_built_while_the_engine_started(smollm2)
         assert other is not renderer, "another config gets a renderer of its own"
         other.shutdown()
     assert async_llm.renderer_from_config is own, "vLLM's factory should be back after the front-end is built"
+    # a CPU engine's KV cache bytes follow the memory free when each process sized them (the
+    # launcher's and the replica's differed by 5% here): the front-end built ahead is still the one
+    assert vllm_early._same({**kwargs, "kv_cache_memory_bytes": 3324563865}) == \
+        vllm_early._same({**kwargs, "kv_cache_memory_bytes": 3515190067})
+    assert vllm_early._same({**kwargs, "max_model_len": 256}) != vllm_early._same(kwargs)
     renderer.shutdown()

@@ -314,11 +314,10 @@ def watch(pids: list[int], on_death, closing: threading.Event) -> threading.Thre
 
 
 def config_ahead(info: dict[str, Any] | None, key: str, kwargs: dict[str, Any], usage_context: Any) -> Any:
-    """In the replica, before it waits for the launched engine: the front-end's config from the
-    replica's own arguments (~1 s) and its renderer (the tokenizer's load and copies: 1.1 s of the
-    front-end's 1.25 s on this CPU), built beside the engine's start instead of after it;
-    :func:`front_end` uses them where the engine's arguments are the same. None where no engine
-    was launched for this replica, or the build fails (the start after reports why)."""
+    """In the replica, before it waits for the launched engine: the front-end's config (~1 s) and
+    renderer (the tokenizer's load and copies: 1.1 s of the front-end's 1.25 s on this CPU) from its
+    own arguments, for :func:`front_end` where the engine's are the same. None where no engine was
+    launched for this replica, or the build fails (the start after reports why)."""
     if not on_this_machine(info) or info.get("key") != key:
         return None
     from vllm.engine.arg_utils import AsyncEngineArgs
@@ -334,9 +333,8 @@ def config_ahead(info: dict[str, Any] | None, key: str, kwargs: dict[str, Any], 
 
 @contextlib.contextmanager
 def renderer_given(ahead: Any):
-    """While ``AsyncLLM`` is built: vLLM's ``renderer_from_config`` returns the renderer
-    :func:`config_ahead` built for that config (where AsyncLLM calls it by another name, the
-    tokenizer vLLM cached is what was gained)."""
+    """While ``AsyncLLM`` is built, vLLM's ``renderer_from_config`` returns the renderer built ahead
+    for that config (called by another name, the tokenizer vLLM cached is what is gained)."""
     from vllm.v1.engine import async_llm
 
     own = async_llm.__dict__.get("renderer_from_config")
@@ -352,7 +350,9 @@ def renderer_given(ahead: Any):
 
 
 def _same(kwargs: dict[str, Any]) -> str:
-    return json.dumps(kwargs, sort_keys=True, default=str)
+    """The arguments the front-end uses (a CPU engine's KV cache bytes follow the free memory as each
+    process looks: only the engine's workers read them)."""
+    return json.dumps({k: v for k, v in kwargs.items() if k != "kv_cache_memory_bytes"}, sort_keys=True, default=str)
 
 
 def front_end(args: Any, at: dict[str, Any], usage_context: Any, stat_loggers: list | None,
