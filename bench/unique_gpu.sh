@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Issue 29's 10,000 unique prompts x 64 tokens on the lent GPU machine: plain vLLM against
+# `llmbatch run` (its own process, the engine launched early as on any 8+ CPU machine), the
+# Llama-3.1-8B shape with dummy weights, vLLM's H100 offline defaults pinned for both
+# (max_num_seqs 1024, max_num_batched_tokens 16384), max_model_len 2048, batch_size 256.
+# bench/throughput.py runs each system in a fresh process, interleaved, the order turning.
+#
+# Installed first with bench/industry_gpu.sh (stage, install); P holds src/, bench/, models/.
+#   bash bench/unique_gpu.sh P OUTDIR warmup                 # untimed 200 rows: the compile cache
+#   bash bench/unique_gpu.sh P OUTDIR rounds SYSTEMS N TAG   # N interleaved rounds in SYSTEMS' order
+# Each writes OUTDIR/unique-*.json (raw runs), a log, and the start-up ledger (starts-*.jsonl).
+set -uo pipefail
+P=${1:?payload folder}; OUTDIR=${2:?output folder}; MODE=${3:?warmup or rounds}
+export PYTHONPATH=/tmp/site:${SRC:-$P/src} VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 \
+       HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 RAY_USAGE_STATS_ENABLED=0 PYTHONUNBUFFERED=1
+unset RAY_ADDRESS
+mkdir -p "$OUTDIR"
+run() {  # ROWS SYSTEMS REPEAT TAG TIMEOUT
+  LLMBATCH_START_LOG=$OUTDIR/starts-$4.jsonl python3 "$P"/bench/throughput.py --device gpu --load-format dummy \
+      --model "$P"/models/llama31-8b-shape --rows "$1" --max-model-len 2048 --batch-size 256 --workloads unique \
+      --systems "$2" --repeat "$3" --timeout "$5" --json-out "$OUTDIR/unique-$1-$4.json" \
+      --extra "--max-num-seqs 1024 --max-num-batched-tokens 16384" 2>&1 | tee "$OUTDIR/unique-$1-$4.log" | grep -v "^INFO"
+}
+case "$MODE" in
+warmup) run 200 llmbatch-cli 1 warmup 240 ;;
+rounds) run 10000 "${4:?systems}" "${5:?rounds}" "${6:?tag}" 200 ;;
+esac
