@@ -121,10 +121,12 @@ def ray_cluster():
 def _stop_own_cluster(temp: Path) -> None:
     """Stop the Ray head this session started, and nothing else: ``ray stop`` would stop every
     Ray cluster on the machine (other sessions' included). Its processes name its temp dir; its
-    workers exit with its raylet."""
-    from llmbatch.reaper import end_processes, processes_naming
+    workers exit with its raylet, but its agents (``ray::DashboardAgent``, ``ray::RuntimeEnvAgent``)
+    rename themselves and outlived SIGTERM once: the named processes' descendants are ended too."""
+    from llmbatch.reaper import end_processes, processes_naming, with_descendants
 
-    end_processes(processes_naming(f"{temp}/"), grace_s=5)
+    named = with_descendants([proc.pid for proc in processes_naming(f"{temp}/")])
+    end_processes(list({proc.pid: proc for proc in named}.values()), grace_s=5)
 
 
 @pytest.fixture(scope="session")
