@@ -6,7 +6,7 @@
 # bench/throughput.py runs each system in a fresh process, interleaved, the order turning.
 #
 # Installed first with bench/industry_gpu.sh (stage, install); P holds src/, bench/, models/.
-#   bash bench/unique_gpu.sh P OUTDIR warmup                 # untimed 200 rows: the compile cache
+#   bash bench/unique_gpu.sh P OUTDIR warmup                 # untimed 200 rows, each system: caches
 #   bash bench/unique_gpu.sh P OUTDIR rounds SYSTEMS N TAG   # N interleaved rounds in SYSTEMS' order
 # Each writes OUTDIR/unique-*.json (raw runs), a log, and the start-up ledger (starts-*.jsonl).
 set -uo pipefail
@@ -22,6 +22,8 @@ run() {  # ROWS SYSTEMS REPEAT TAG TIMEOUT
       --extra "--max-num-seqs 1024 --max-num-batched-tokens 16384" 2>&1 | tee "$OUTDIR/unique-$1-$4.log" | grep -v "^INFO"
 }
 case "$MODE" in
-warmup) run 200 llmbatch-cli 1 warmup 240 ;;
+# (both systems: on 2026-11-29 plain vLLM's first run after llmbatch's warm-up alone was ready 15 s
+# later than its warm runs, and was left out)
+warmup) run 200 llmbatch-cli,vllm 1 warmup 240 ;;
 rounds) run 10000 "${4:?systems}" "${5:?rounds}" "${6:?tag}" 200 ;;
 esac
