@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -227,3 +228,31 @@ def test_the_front_end_gets_the_renderer_built_while_the_engine_started(smollm2)
         vllm_early._same({**kwargs, "kv_cache_memory_bytes": 3515190067})
     assert vllm_early._same({**kwargs, "max_model_len": 256}) != vllm_early._same(kwargs)
     renderer.shutdown()
+
+
+def test_a_launch_that_fails_keeps_its_log_and_the_replica_names_it(caplog):
+    """The real launcher, handed a model it cannot start: the replica starts its own engine and
+    its warning names the launcher's log, which holds the traceback and outlives the job."""
+    import shutil
+
+    launch = vllm_early._spawn()
+    assert launch is not None
+    folder = os.path.dirname(launch.log_path)
+    try:
+        spec = {"model_source": "/nonexistent/llmbatch-test-model", "engine_kwargs": {}, "task_type": "generate",
+                "detokenize_stage": False, "attach": launch.attach_path, "key": "k"}
+        launch.proc.stdin.write((json.dumps(spec) + "\n").encode())
+        launch.proc.stdin.flush()
+        info = {**launch.info(), "key": "k"}
+        with caplog.at_level("WARNING", logger=vllm_early.__name__):
+            assert vllm_early.attach(info, "k") is None, "a failed launch: the replica starts its own"
+        assert f"its log: {launch.log_path}" in caplog.text, caplog.text
+        launch.stop()  # the job ends
+        assert launch.proc.wait(timeout=60) == 0
+        log = open(launch.log_path).read()
+        assert "/nonexistent/llmbatch-test-model" in log and "Traceback" in log, log[-2000:]
+        assert not os.path.exists(launch.attach_path)
+    finally:
+        launch.proc.kill()
+        launch.proc.wait(timeout=30)
+        shutil.rmtree(folder, ignore_errors=True)

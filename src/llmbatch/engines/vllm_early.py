@@ -265,7 +265,8 @@ def attach(info: dict[str, Any] | None, key: str) -> dict[str, Any] | None:
     with open(path) as fh:
         at = json.load(fh)
     if "error" in at:
-        logger.warning("the engine launched early failed (%s); the replica starts its own", at["error"])
+        logger.warning("the engine launched early failed (%s; its log: %s); the replica starts its own",
+                       at["error"], info.get("log"))
         return None
     if len([d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]) > 1:
         _end(at["pids"])  # this replica has more devices than the launcher's one
@@ -284,7 +285,7 @@ def _end(pids: list[int]) -> None:
     end_processes(with_descendants(pids), grace_s=5)
 
 
-def watch(pids: list[int], on_death, closing: threading.Event) -> threading.Thread:
+def watch(pids: list[int], on_death, closing: threading.Event) -> None:
     """Call ``on_death()`` once when one of ``pids`` (the attached engine's processes) ends,
     unless ``closing`` was set first (the replica stopped it)."""
     import psutil
@@ -308,9 +309,7 @@ def watch(pids: list[int], on_death, closing: threading.Event) -> threading.Thre
         if not closing.is_set():
             on_death()
 
-    thread = threading.Thread(target=wait, name="llmbatch-engine-watch", daemon=True)
-    thread.start()
-    return thread
+    threading.Thread(target=wait, name="llmbatch-engine-watch", daemon=True).start()
 
 
 def config_ahead(info: dict[str, Any] | None, key: str, kwargs: dict[str, Any], usage_context: Any) -> Any:
