@@ -12,6 +12,9 @@ Faults are asked for by the request itself: a message or prompt containing ``fau
 ``drop`` (closes the connection without answering), ``badjson`` (200 with a body that is not
 JSON), ``truncated`` (200 whose body stops short of its Content-Length). On every attempt:
 ``bad400`` (400 with a JSON error body), ``always500``, ``alwaysslow``, ``alwaysdrop``.
+
+``POST /hold`` keeps every request that arrives (counted, not answered) until ``POST /release``
+(or ``/reset``): a test then knows which requests are in flight (``in_flight`` in ``/stats``).
 """
 
 from __future__ import annotations
@@ -70,12 +73,14 @@ class Server:
         self.in_flight = 0
         self.max_in_flight = 0
         self.auth_failures = 0
+        self.released = asyncio.Event()  # cleared by POST /hold
+        self.released.set()
 
     def stats(self) -> dict:
         return {"statuses": dict(self.statuses), "limit_429": self.limit_429, "answered": self.answered,
                 "max_requests_per_s": self.requests.max_total, "max_tokens_per_window": self.tokens.max_total,
                 "token_window_s": self.args.token_window, "first_at": self.first_at, "last_at": self.last_at,
-                "max_in_flight": self.max_in_flight, "auth_failures": self.auth_failures,
+                "in_flight": self.in_flight, "max_in_flight": self.max_in_flight, "auth_failures": self.auth_failures,
                 "attempts": sum(self.attempts.values()), "keys": len(self.attempts)}
 
     def token_limit(self) -> float | None:
@@ -132,6 +137,7 @@ class Server:
             reply = await self._fault(request, fault)
             if reply is not None:
                 return reply
+        await self.released.wait()
         if self.args.latency:
             await asyncio.sleep(self.args.latency)
         if limit:
@@ -187,11 +193,22 @@ async def main(args) -> None:
         return web.json_response(server.stats())
 
     async def reset(request):
+        server.released.set()  # requests held by the last test are answered
         server.reset()
+        return web.json_response({"ok": True})
+
+    async def hold(request):
+        server.released.clear()
+        return web.json_response({"ok": True})
+
+    async def release(request):
+        server.released.set()
         return web.json_response({"ok": True})
 
     app.router.add_get("/stats", stats)
     app.router.add_post("/reset", reset)
+    app.router.add_post("/hold", hold)
+    app.router.add_post("/release", release)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", args.port, backlog=4096)

@@ -166,18 +166,35 @@ def test_a_killed_driver_resumes_from_another_process_on_the_same_cluster(cluste
 def test_a_worker_node_removed_mid_run_loses_and_duplicates_nothing(cluster, server, tmp_path):
     c = cluster
     job_file, job_dir = write_job(tmp_path, server)
-    urllib.request.urlopen(urllib.request.Request(f"{server}/reset", method="POST"), timeout=10).read()
+    post(f"{server}/reset")
     log = tmp_path / "driver.log"
     p = cli("run", str(job_file), "--quiet", log=log, address=c.address)
     wait_for(lambda: committed(job_dir) >= 40, 180, "40 committed rows", p)
     # one endpoint worker on each worker node (the head's 1 CPU cannot hold one)
     assert all(endpoint_workers(r) for r in c.raylets), [endpoint_workers(r) for r in c.raylets]
-    c.remove(1)
-    removed_at, removed_t = committed(job_dir), time.monotonic()
+    # the node goes while its worker holds requests: the server keeps every request until it is
+    # gone, and more in flight than one worker may send means both workers' (once, a node removed
+    # between its batches had none, and the re-asked rows this test is about were never asked)
+    post(f"{server}/hold")
+    try:
+        wait_for(lambda: stats(server)["in_flight"] > REQUESTS_PER_WORKER, 60,
+                 f"more than {REQUESTS_PER_WORKER} requests held (both workers')", p)
+        c.remove(1)
+        removed_at, removed_t = committed(job_dir), time.monotonic()
+    finally:
+        post(f"{server}/release")
     assert removed_at < ROWS - 80, f"the node went too late to matter ({removed_at} rows committed)"
     assert p.wait(timeout=600) == 0, log.read_text()[-4000:]
     print(f"node removed at {removed_at} rows committed; the job ended {time.monotonic() - removed_t:.1f} s later")
     check_every_id_once(job_dir)
     # the lost node had rows in flight: they were asked again, and are still in the output once
-    seen = json.loads(urllib.request.urlopen(f"{server}/stats", timeout=10).read())
+    seen = stats(server)
     assert seen["keys"] == ROWS and seen["attempts"] > ROWS, seen
+
+
+def post(url: str) -> None:
+    urllib.request.urlopen(urllib.request.Request(url, method="POST"), timeout=10).read()
+
+
+def stats(server: str) -> dict:
+    return json.loads(urllib.request.urlopen(f"{server}/stats", timeout=10).read())
