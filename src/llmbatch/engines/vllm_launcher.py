@@ -154,7 +154,8 @@ def main(folder: str) -> None:
         logger.exception("the engine could not be launched early")
         write({"error": f"{type(exc).__name__}: {exc}"})  # (the replica reads it, then starts its own)
         stdin.ended.wait()
-        os.remove(attach_path)  # the folder and its log (the traceback) stay: the replica's warning names them
+        with contextlib.suppress(OSError):  # the folder and its log (the traceback) stay: the replica's warning names them
+            os.remove(attach_path)
         return
     # the engine is ready: the replica's front-end binds these and the engine connects to them
     write({"input_address": addresses.inputs[0], "output_address": addresses.outputs[0], "kwargs": kwargs,
