@@ -125,8 +125,7 @@ def _stop_own_cluster(temp: Path) -> None:
     rename themselves and outlived SIGTERM once: the named processes' descendants are ended too."""
     from llmbatch.reaper import end_processes, processes_naming, with_descendants
 
-    named = with_descendants([proc.pid for proc in processes_naming(f"{temp}/")])
-    end_processes(list({proc.pid: proc for proc in named}.values()), grace_s=5)
+    end_processes(with_descendants([proc.pid for proc in processes_naming(f"{temp}/")]), grace_s=5)
 
 
 @pytest.fixture(scope="session")

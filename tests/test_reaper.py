@@ -92,6 +92,8 @@ def test_ending_a_process_tree_ends_its_descendants_and_leaves_no_zombie():
         "import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
         "print(p.pid, flush=True); time.sleep(600)"], stdout=subprocess.PIPE, text=True)
     grandchild = int(parent.stdout.readline())
+    # a pid that is another's descendant (a launcher and its engine) is listed once, children first
+    assert [p.pid for p in with_descendants([grandchild, parent.pid, grandchild])] == [grandchild, parent.pid]
     end_processes(with_descendants([parent.pid]), grace_s=10)
     assert not alive(parent.pid) and not os.path.exists(f"/proc/{parent.pid}")
     assert not alive(grandchild)

@@ -146,19 +146,21 @@ def _reap(watched: int, read_fd: int) -> None:
 
 
 def with_descendants(pids: list[int]) -> list:
-    """The psutil processes of ``pids`` and their descendants (found now), children first;
-    pids already gone are left out."""
+    """The psutil processes of ``pids`` and their descendants (found now), children first, each
+    once (a pid may be another's descendant: an engine's launcher and its engine); pids already
+    gone are left out."""
     import psutil
 
-    procs = []
+    procs: dict = {}
     for pid in pids:
         try:
             proc = psutil.Process(pid)
-            procs.extend(proc.children(recursive=True))
-            procs.append(proc)
+            for child in proc.children(recursive=True):
+                procs.setdefault(child.pid, child)
+            procs.setdefault(pid, proc)
         except psutil.Error:
             continue
-    return procs
+    return list(procs.values())
 
 
 def end_processes(procs: list, grace_s: float) -> None:
