@@ -15,6 +15,7 @@ JSON), ``truncated`` (200 whose body stops short of its Content-Length). On ever
 
 ``POST /hold`` keeps every request that arrives (counted, not answered) until ``POST /release``
 (or ``/reset``): a test then knows which requests are in flight (``in_flight`` in ``/stats``).
+A test that runs it asks through :func:`stats` and :func:`post`.
 """
 
 from __future__ import annotations
@@ -26,11 +27,22 @@ import json
 import math
 import re
 import time
+import urllib.request
 
 from aiohttp import web
 
 FAULT = re.compile(r"fault=(\w+)")
 ONCE = {"429", "429ra", "500", "502", "503", "slow", "drop", "badjson", "truncated"}
+
+
+def stats(url: str) -> dict:
+    """The counts of the server at ``url`` (``GET /stats``)."""
+    return json.loads(urllib.request.urlopen(f"{url}/stats", timeout=10).read())
+
+
+def post(url: str, action: str) -> None:
+    """``POST /reset``, ``/hold`` or ``/release`` to the server at ``url``."""
+    urllib.request.urlopen(urllib.request.Request(f"{url}/{action}", method="POST"), timeout=10).read()
 
 
 class Window:

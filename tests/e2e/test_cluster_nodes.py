@@ -18,12 +18,12 @@ import sys
 import tempfile
 import textwrap
 import time
-import urllib.request
 from pathlib import Path
 
 import psutil
 import pyarrow.parquet as pq
 import pytest
+from fake_openai import post, stats
 from waiting import committed, wait_for
 
 from llmbatch.jobs.store import JobDir
@@ -122,8 +122,8 @@ def cli(*args: str, log: Path, address: str) -> subprocess.Popen:
 
 
 def check_every_id_once(job_dir: Path) -> None:
-    stats = json.loads((job_dir / "stats.json").read_text())
-    table = pq.read_table(stats["output"])
+    job_stats = json.loads((job_dir / "stats.json").read_text())
+    table = pq.read_table(job_stats["output"])
     ids = table.column("Index").to_pylist()
     errors = [json.loads(line) for line in (job_dir / "errors.jsonl").read_text().splitlines()]
     assert not errors, errors[:3]
@@ -166,7 +166,7 @@ def test_a_killed_driver_resumes_from_another_process_on_the_same_cluster(cluste
 def test_a_worker_node_removed_mid_run_loses_and_duplicates_nothing(cluster, server, tmp_path):
     c = cluster
     job_file, job_dir = write_job(tmp_path, server)
-    post(f"{server}/reset")
+    post(server, "reset")
     log = tmp_path / "driver.log"
     p = cli("run", str(job_file), "--quiet", log=log, address=c.address)
     wait_for(lambda: committed(job_dir) >= 40, 180, "40 committed rows", p)
@@ -175,14 +175,14 @@ def test_a_worker_node_removed_mid_run_loses_and_duplicates_nothing(cluster, ser
     # the node goes while its worker holds requests: the server keeps every request until it is
     # gone, and more in flight than one worker may send means both workers' (once, a node removed
     # between its batches had none, and the re-asked rows this test is about were never asked)
-    post(f"{server}/hold")
+    post(server, "hold")
     try:
         wait_for(lambda: stats(server)["in_flight"] > REQUESTS_PER_WORKER, 60,
                  f"more than {REQUESTS_PER_WORKER} requests held (both workers')", p)
         c.remove(1)
         removed_at, removed_t = committed(job_dir), time.monotonic()
     finally:
-        post(f"{server}/release")
+        post(server, "release")
     assert removed_at < ROWS - 80, f"the node went too late to matter ({removed_at} rows committed)"
     assert p.wait(timeout=600) == 0, log.read_text()[-4000:]
     print(f"node removed at {removed_at} rows committed; the job ended {time.monotonic() - removed_t:.1f} s later")
@@ -190,11 +190,3 @@ def test_a_worker_node_removed_mid_run_loses_and_duplicates_nothing(cluster, ser
     # the lost node had rows in flight: they were asked again, and are still in the output once
     seen = stats(server)
     assert seen["keys"] == ROWS and seen["attempts"] > ROWS, seen
-
-
-def post(url: str) -> None:
-    urllib.request.urlopen(urllib.request.Request(url, method="POST"), timeout=10).read()
-
-
-def stats(server: str) -> dict:
-    return json.loads(urllib.request.urlopen(f"{server}/stats", timeout=10).read())

@@ -17,11 +17,11 @@ import subprocess
 import sys
 import textwrap
 import time
-import urllib.request
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+from fake_openai import post, stats
 from inproc import llmbatch
 from waiting import committed, wait_for
 
@@ -69,14 +69,6 @@ def server(tmp_path_factory):
     yield url
     proc.kill()
     proc.wait()
-
-
-def stats(url: str) -> dict:
-    return json.loads(urllib.request.urlopen(f"{url}/stats", timeout=10).read())
-
-
-def reset(url: str) -> None:
-    urllib.request.urlopen(urllib.request.Request(f"{url}/reset", method="POST"), timeout=10).read()
 
 
 def write_job(tmp_path: Path, url: str) -> tuple[Path, Path]:
@@ -139,7 +131,7 @@ def assert_no_secret(job_dir: Path) -> None:
 
 def test_every_row_answered_or_an_error_row_and_the_limits_hold(ray_cluster, server, tmp_path, monkeypatch):
     monkeypatch.setenv("LLMBATCH_FAKE_KEY", KEY)
-    reset(server)
+    post(server, "reset")
     job_file, job_dir = write_job(tmp_path, server)
     started = time.monotonic()
     # the CLI in this process (tests/inproc.py): what the job does, not its process (that is the
@@ -170,7 +162,7 @@ def test_every_row_answered_or_an_error_row_and_the_limits_hold(ray_cluster, ser
 
 def test_sigkill_and_resume_keep_every_id_exactly_once(ray_cluster, server, tmp_path, monkeypatch):
     monkeypatch.setenv("LLMBATCH_FAKE_KEY", KEY)
-    reset(server)
+    post(server, "reset")
     job_file, job_dir = write_job(tmp_path, server)
     log = tmp_path / "driver.log"
     p = cli("run", str(job_file), "--quiet", log=log)

@@ -14,17 +14,16 @@ with Ray, checkpointed like the rest (a rerun does not ask for them again).
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import subprocess
 import sys
-import urllib.request
 from pathlib import Path
 
 import psutil
 import pyarrow.parquet as pq
 import pytest
+from fake_openai import stats
 from waiting import wait_for
 
 pytestmark = pytest.mark.e2e
@@ -62,7 +61,7 @@ def written(out: Path) -> dict[int, str]:
 
 
 def attempts(base: str) -> int:
-    return json.loads(urllib.request.urlopen(f"{base}/stats", timeout=10).read())["attempts"]
+    return stats(base)["attempts"]
 
 
 def test_a_killed_checkpointed_run_reruns_without_losing_or_repeating_an_id(ray_cluster, server, tmp_path):
