@@ -230,29 +230,27 @@ def test_the_front_end_gets_the_renderer_built_while_the_engine_started(smollm2)
     renderer.shutdown()
 
 
-def test_a_launch_that_fails_keeps_its_log_and_the_replica_names_it(caplog):
+def test_a_launch_that_fails_keeps_its_log_and_the_replica_names_it(caplog, monkeypatch):
     """The real launcher, handed a model it cannot start: the replica starts its own engine and
     its warning names the launcher's log, which holds the traceback and outlives the job."""
     import shutil
 
-    launch = vllm_early._spawn()
+    from llmbatch.engines.settings import VLLMSettings
+
+    monkeypatch.setattr(vllm_early, "_wanted", lambda settings: True)  # (Ray here, one replica: the job's)
+    launch = vllm_early.launch(VLLMSettings(model_source="/nonexistent/llmbatch-test-model", engine_kwargs={}))
     assert launch is not None
-    folder = os.path.dirname(launch.log_path)
     try:
-        spec = {"model_source": "/nonexistent/llmbatch-test-model", "engine_kwargs": {}, "task_type": "generate",
-                "detokenize_stage": False, "attach": launch.attach_path, "key": "k"}
-        launch.proc.stdin.write((json.dumps(spec) + "\n").encode())
-        launch.proc.stdin.flush()
-        info = {**launch.info(), "key": "k"}
         with caplog.at_level("WARNING", logger=vllm_early.__name__):
-            assert vllm_early.attach(info, "k") is None, "a failed launch: the replica starts its own"
+            assert vllm_early.attach(launch.info(), launch.key) is None, "a failed launch: the replica starts its own"
         assert f"its log: {launch.log_path}" in caplog.text, caplog.text
-        launch.stop()  # the job ends
+        vllm_early.stop_all()  # the job ends
         assert launch.proc.wait(timeout=60) == 0
         log = open(launch.log_path).read()
         assert "/nonexistent/llmbatch-test-model" in log and "Traceback" in log, log[-2000:]
         assert not os.path.exists(launch.attach_path)
     finally:
+        vllm_early.stop_all()
         launch.proc.kill()
         launch.proc.wait(timeout=30)
-        shutil.rmtree(folder, ignore_errors=True)
+        shutil.rmtree(os.path.dirname(launch.log_path), ignore_errors=True)

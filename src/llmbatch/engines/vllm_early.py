@@ -276,7 +276,8 @@ def attach(info: dict[str, Any] | None, key: str) -> dict[str, Any] | None:
 
 def _running(pid: int) -> bool:
     try:
-        return os.kill(pid, 0) is None
+        os.kill(pid, 0)
+        return True
     except OSError:
         return False
 
