@@ -4,9 +4,10 @@ real stalls)."""
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
-from llmbatch.watchdog import diagnose
+from llmbatch.watchdog import HEARTBEAT_FRESH_S, diagnose, wait_for_engines
 
 
 class Op:
@@ -43,3 +44,49 @@ def test_a_checkpoint_filter_in_the_plan_is_named_with_its_cpu():
 def test_without_checkpoints_nothing_is_said_of_them():
     text = diagnose(executor(Op("ReadCSV", active=1), Op("CheckpointFilter", done=True)), 50, 45, [])
     assert "CheckpointFilter" not in text and "no progress for 50 s" in text
+
+
+def beats_of(*sequence):
+    """A ``read`` for wait_for_engines: each call returns the next heartbeats (the last repeats)."""
+    calls = []
+
+    def read(run_id):
+        beats = sequence[min(len(calls), len(sequence) - 1)]
+        calls.append(run_id)
+        return [{**b, "at": b.get("at", time.time())} for b in beats]
+
+    return read, calls
+
+
+WORKING = {"role": "prepare", "state": "ready"}
+STARTING = {"role": "engine", "state": "starting"}
+READY = {"role": "engine", "state": "ready"}
+
+
+def test_the_pools_first_worker_starts_while_the_engine_starts():
+    read, calls = beats_of([STARTING])
+    assert wait_for_engines("run", "prepare", "engine", 30, poll_s=0.01, read=read) < 1
+    assert len(calls) == 1
+
+
+def test_a_worker_added_to_a_working_pool_waits_until_the_engine_is_ready():
+    read, calls = beats_of([WORKING, STARTING], [WORKING, STARTING], [WORKING, STARTING], [WORKING, READY])
+    wait_for_engines("run", "prepare", "engine", 30, poll_s=0.01, read=read)
+    assert len(calls) == 4, "it went before the engine said ready, or kept waiting after"
+
+
+def test_the_wait_is_bounded_and_old_heartbeats_say_nothing():
+    read, _ = beats_of([WORKING, STARTING])
+    began = time.monotonic()
+    wait_for_engines("run", "prepare", "engine", 0.3, poll_s=0.01, read=read)
+    assert 0.3 <= time.monotonic() - began < 3
+    stale, calls = beats_of([WORKING, {**STARTING, "at": time.time() - 10 * HEARTBEAT_FRESH_S}])
+    wait_for_engines("run", "prepare", "engine", 30, poll_s=0.01, read=stale)
+    assert len(calls) == 1  # an engine whose heartbeat stopped (it died) holds nothing back
+
+
+def test_heartbeats_that_cannot_be_read_hold_nothing_back():
+    def broken(run_id):
+        raise ConnectionError("no GCS")
+
+    assert wait_for_engines("run", "prepare", "engine", 30, poll_s=0.01, read=broken) < 1

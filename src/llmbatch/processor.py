@@ -105,6 +105,8 @@ class Operator:
     max_concurrent_calls: int = 1
     #: engine batches per Ray Data block (:data:`MIN_BLOCK_ROWS`)
     block_batches: int = 1
+    #: the engine operator whose start the workers this pool adds wait out (runner.py)
+    defer_to: str = ""
 
     @property
     def block_rows(self) -> int:
@@ -227,6 +229,8 @@ class Processor:
             into_engine_pre = []
         engine.stages = [s.stage for s in into_engine_pre] + engine.stages + [s.stage for s in into_engine_post]
         engine.name = "+".join(s.name for s in engine.stages)
+        if spread:
+            pre_ops[-1].defer_to = engine.name
         ops = pre_ops + [engine] + post_ops
         ops[-1].stages.append(self.layout.output)
         return ops
@@ -302,7 +306,8 @@ class Processor:
             fn_constructor_kwargs=dict(stages=op.stages, continue_on_error=lay.continue_on_error, run_id=run_id,
                                        role=op.name, peers=op.min_workers, peer_wait_s=lay.stall_timeout_s or 600.0,
                                        batch_rows=op.batch_size if op.block_batches > 1 else 0,
-                                       freeze_heap=True),  # the worker's start-up heap (runner.py)
+                                       freeze_heap=True,  # the worker's start-up heap (runner.py)
+                                       defer_to=op.defer_to),
             batch_size=op.block_rows,
             batch_format="pyarrow",
             zero_copy_batch=True,

@@ -174,9 +174,52 @@ def test_rows_prepared_in_a_pool_of_their_own_keep_dedup_and_answers(ray_cluster
                           preprocess=lambda r: r).operators({"CPU": 2.0})
     assert [op.name for op in ops] == ["prepare:preprocess+chat_template+tokenize", "engine+detokenize"]
     assert ops[0].remote_args["num_cpus"] == 0.0
+    assert ops[0].defer_to == "engine+detokenize", "the pool's added workers do not wait out the engine's start"
     assert sorted(apart["answers"]) == list(range(48))
     assert apart["answers"] == fused["answers"]
     distinct = len({r["question"] for r in rows})
     for run in (fused, apart):
         assert run["stats"]["rows_error"] == 0
         assert 48 - run["stats"]["deduplicated_rows"] == distinct  # one request per distinct prompt
+
+
+def test_a_worker_the_prepare_pool_adds_starts_after_the_engine_is_ready(ray_cluster):
+    """The pool of CPU workers before the engine grows while the engine starts (Ray Data adds
+    workers as rows queue); each added worker loads the tokenizer, which on a GPU node took the
+    CPU the engine's start needed (issue 29). Real heartbeats in this Ray cluster's store: the
+    pool's first worker starts at once, a worker added once it works waits (and says so) until
+    the engine replica says ready, then starts."""
+    import threading
+    import time
+    import uuid
+
+    from llmbatch.stages.base import Stage
+    from llmbatch.stages.runner import StageRunner
+    from llmbatch.watchdog import Heartbeat, clear_heartbeats, read_heartbeats
+
+    run_id = uuid.uuid4().hex
+    engine = {"state": "starting"}
+    replica = Heartbeat(run_id, "engine", lambda: dict(engine)).start()
+    workers: list[StageRunner] = []
+    try:
+        began = time.monotonic()
+        workers.append(StageRunner([Stage()], run_id=run_id, role="prepare", defer_to="engine"))
+        assert workers[0]._state == "ready" and time.monotonic() - began < 5, "the pool's first worker waited"
+        added = threading.Thread(target=lambda: workers.append(
+            StageRunner([Stage()], run_id=run_id, role="prepare", defer_to="engine")), daemon=True)
+        added.start()
+        deadline = time.monotonic() + 10
+        while not [b for b in read_heartbeats(run_id) if b["role"] == "prepare" and b["state"] == "waiting"]:
+            assert time.monotonic() < deadline, "the added worker never said it waits"
+            time.sleep(0.1)
+        added.join(1.0)
+        assert added.is_alive() and len(workers) == 1, "the added worker started while the engine was starting"
+        engine["state"] = "ready"
+        replica.beat()
+        added.join(15)
+        assert not added.is_alive() and workers[1]._state == "ready", "the added worker never started"
+    finally:
+        replica.stop()
+        for worker in workers:
+            worker._heartbeat.stop()
+        clear_heartbeats(run_id)

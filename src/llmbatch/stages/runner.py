@@ -27,7 +27,7 @@ from llmbatch.codec import decode_rows
 from llmbatch.errors import RowError
 from llmbatch.rows import ERROR_COLUMN, Row, describe_row, is_error, parse_error
 from llmbatch.stages.base import Stage
-from llmbatch.watchdog import Heartbeat, wait_for_peers
+from llmbatch.watchdog import Heartbeat, wait_for_engines, wait_for_peers
 
 logger = logging.getLogger(__name__)
 #: How long closing one stage may take when the runner goes away (an engine's shutdown).
@@ -144,12 +144,15 @@ class StageRunner:
     ``batch_rows``: rows per call of each stage; a block of more rows runs as batches of this
     many side by side (:func:`run_batches`), 0: the block is one batch. ``freeze_heap``: once the
     stages have started, hide the process's objects from the garbage collector
-    (:func:`freeze_gc_heap`; a worker process of its own, never the caller's).
+    (:func:`freeze_gc_heap`; a worker process of its own, never the caller's). ``defer_to``: the
+    engine operator's role, for a pool that grows (the CPU stages' pool on a GPU node): a worker
+    added once the pool works starts its stages after the engines' start
+    (:func:`~llmbatch.watchdog.wait_for_engines`).
     """
 
     def __init__(self, stages: list[Stage], *, continue_on_error: bool = True, run_id: str | None = None,
                  role: str = "", peers: int = 1, peer_wait_s: float = 300.0, batch_rows: int = 0,
-                 freeze_heap: bool = False):
+                 freeze_heap: bool = False, defer_to: str = ""):
         self.stages = stages
         self.batch_rows = batch_rows
         for position, stage in enumerate(stages):
@@ -162,6 +165,13 @@ class StageRunner:
         if run_id is not None:
             self._heartbeat = Heartbeat(run_id, role, self._probe).start()
         self._loop = _LoopThread()
+        if run_id is not None and defer_to:
+            self._state = "waiting"  # (a waiting worker is not a stall: the watchdog sees it busy)
+            self._waiting_since = time.time()
+            self._heartbeat.beat()
+            wait_for_engines(run_id, role, defer_to, peer_wait_s)
+            self._state = "starting"
+            self._heartbeat.beat()
         self._start_stages()
         if freeze_heap:
             freeze_gc_heap()
