@@ -9,6 +9,8 @@
 #   bash bench/unique_gpu.sh P OUTDIR warmup                 # untimed 200 rows, each system: caches
 #   bash bench/unique_gpu.sh P OUTDIR rounds SYSTEMS N TAG   # N interleaved rounds in SYSTEMS' order
 # Each writes OUTDIR/unique-*.json (raw runs), a log, and the start-up ledger (starts-*.jsonl).
+# GPU_UTIL=1: every run samples nvidia-smi every 0.5 s into its JSON (`gpu_util`); TIMELINE=1: the
+# whole call runs under bench/proc_timeline.py (every process's CPU seconds, OUTDIR/procs-TAG.json).
 set -uo pipefail
 P=${1:?payload folder}; OUTDIR=${2:?output folder}; MODE=${3:?warmup or rounds}
 export PYTHONPATH=/tmp/site:${SRC:-$P/src} VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 \
@@ -16,10 +18,13 @@ export PYTHONPATH=/tmp/site:${SRC:-$P/src} VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO
 unset RAY_ADDRESS
 mkdir -p "$OUTDIR"
 run() {  # ROWS SYSTEMS REPEAT TAG TIMEOUT
-  LLMBATCH_START_LOG=$OUTDIR/starts-$4.jsonl python3 "$P"/bench/throughput.py --device gpu --load-format dummy \
+  local wrap=() gpu=""
+  [ -n "${TIMELINE:-}" ] && wrap=(python3 "$P"/bench/proc_timeline.py "$OUTDIR/procs-$4.json" --every 0.5 --)
+  [ -n "${GPU_UTIL:-}" ] && gpu=" --gpu-util"
+  LLMBATCH_START_LOG=$OUTDIR/starts-$4.jsonl "${wrap[@]}" python3 "$P"/bench/throughput.py --device gpu --load-format dummy \
       --model "$P"/models/llama31-8b-shape --rows "$1" --max-model-len 2048 --batch-size 256 --workloads unique \
       --systems "$2" --repeat "$3" --timeout "$5" --json-out "$OUTDIR/unique-$1-$4.json" \
-      --extra "--max-num-seqs 1024 --max-num-batched-tokens 16384" 2>&1 | tee "$OUTDIR/unique-$1-$4.log" | grep -v "^INFO"
+      --extra "--max-num-seqs 1024 --max-num-batched-tokens 16384$gpu" 2>&1 | tee "$OUTDIR/unique-$1-$4.log" | grep -v "^INFO"
 }
 case "$MODE" in
 # (both systems: on 2026-11-29 plain vLLM's first run after llmbatch's warm-up alone was ready 15 s
