@@ -65,23 +65,23 @@ READY = {"role": "engine", "state": "ready"}
 
 def test_the_pools_first_worker_starts_while_the_engine_starts():
     read, calls = beats_of([STARTING])
-    assert wait_for_engines("run", "prepare", "engine", 30, poll_s=0.01, read=read) < 1
+    assert wait_for_engines("run", "prepare", "engine", 30, poll_s=0.01, read=read) is False
     assert len(calls) == 1
 
 
 def test_a_worker_added_to_a_working_pool_waits_until_the_engine_is_ready():
     read, calls = beats_of([WORKING, STARTING], [WORKING, STARTING], [WORKING, STARTING], [WORKING, READY])
-    wait_for_engines("run", "prepare", "engine", 30, poll_s=0.01, read=read)
+    assert wait_for_engines("run", "prepare", "engine", 30, poll_s=0.01, read=read) is True
     assert len(calls) == 4, "it went before the engine said ready, or kept waiting after"
 
 
 def test_the_wait_is_bounded_and_old_heartbeats_say_nothing():
     read, _ = beats_of([WORKING, STARTING])
     began = time.monotonic()
-    wait_for_engines("run", "prepare", "engine", 0.3, poll_s=0.01, read=read)
+    assert wait_for_engines("run", "prepare", "engine", 0.3, poll_s=0.01, read=read) is True
     assert 0.3 <= time.monotonic() - began < 3
     stale, calls = beats_of([WORKING, {**STARTING, "at": time.time() - 10 * HEARTBEAT_FRESH_S}])
-    wait_for_engines("run", "prepare", "engine", 30, poll_s=0.01, read=stale)
+    assert wait_for_engines("run", "prepare", "engine", 30, poll_s=0.01, read=stale) is False
     assert len(calls) == 1  # an engine whose heartbeat stopped (it died) holds nothing back
 
 
@@ -89,4 +89,4 @@ def test_heartbeats_that_cannot_be_read_hold_nothing_back():
     def broken(run_id):
         raise ConnectionError("no GCS")
 
-    assert wait_for_engines("run", "prepare", "engine", 30, poll_s=0.01, read=broken) < 1
+    assert wait_for_engines("run", "prepare", "engine", 30, poll_s=0.01, read=broken) is False

@@ -138,11 +138,11 @@ def wait_for_peers(run_id: str, role: str, peers: int, timeout_s: float, poll_s:
         time.sleep(poll_s)
 
 
-def wait_for_engines(run_id: str, role: str, engines: str, timeout_s: float, poll_s: float = 0.5,
-                     read: Callable[[str], list[dict[str, Any]]] | None = None) -> float:
+def wait_for_engines(run_id: str, role: str, engines: str, timeout_s: float, poll_s: float = 1.0,
+                     read: Callable[[str], list[dict[str, Any]]] | None = None) -> bool:
     """A worker that a pool of ``role`` adds once one of its workers works: wait, before it
     loads anything, while a replica of ``engines`` (the engine operator) is still starting;
-    returns the seconds waited.
+    returns whether it waited (heartbeats change every few seconds: one read a second).
 
     An engine's start is CPU-bound where it compiles and captures CUDA graphs, and no row
     reaches it before it is ready: the pool's first worker prepares the rows it will take
@@ -151,8 +151,9 @@ def wait_for_engines(run_id: str, role: str, engines: str, timeout_s: float, pol
     first worker, and any worker once no engine is starting, starts at once. Bounded by
     ``timeout_s`` (an engine that never says ready does not hold the pool back)."""
     read = read or read_heartbeats
-    began = time.monotonic()
-    while time.monotonic() - began < timeout_s:
+    deadline = time.monotonic() + timeout_s
+    waited = False
+    while time.monotonic() < deadline:
         try:
             beats = [b for b in read(run_id) if time.time() - float(b.get("at", 0)) < HEARTBEAT_FRESH_S]
         except Exception:  # noqa: BLE001 - cannot see the engines: do not wait for them
@@ -161,8 +162,9 @@ def wait_for_engines(run_id: str, role: str, engines: str, timeout_s: float, pol
         starting = any(b.get("role") == engines and b.get("state") == "starting" for b in beats)
         if not (working and starting):
             break
+        waited = True
         time.sleep(poll_s)
-    return time.monotonic() - began
+    return waited
 
 
 def clear_heartbeats(run_id: str) -> None:

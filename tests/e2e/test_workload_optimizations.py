@@ -183,19 +183,28 @@ def test_rows_prepared_in_a_pool_of_their_own_keep_dedup_and_answers(ray_cluster
         assert 48 - run["stats"]["deduplicated_rows"] == distinct  # one request per distinct prompt
 
 
-def test_a_worker_the_prepare_pool_adds_starts_after_the_engine_is_ready(ray_cluster):
+def test_a_worker_the_prepare_pool_adds_waits_for_the_engine_and_loads_on_its_first_batch(ray_cluster):
     """The pool of CPU workers before the engine grows while the engine starts (Ray Data adds
     workers as rows queue); each added worker loads the tokenizer, which on a GPU node took the
     CPU the engine's start needed (issue 29). Real heartbeats in this Ray cluster's store: the
-    pool's first worker starts at once, a worker added once it works waits (and says so) until
-    the engine replica says ready, then starts."""
+    pool's first worker starts (loads) at once; a worker added once it works waits (and says so)
+    until the engine replica says ready, and loads on its first batch (Ray Data lets an added
+    worker go unused once the rows are all taken: it then loads nothing)."""
     import threading
     import time
     import uuid
 
+    import pyarrow as pa
+
     from llmbatch.stages.base import Stage
     from llmbatch.stages.runner import StageRunner
     from llmbatch.watchdog import Heartbeat, clear_heartbeats, read_heartbeats
+
+    loads: list[int] = []
+
+    class Loading(Stage):  # loads in setup, as the tokenizer stages do
+        def setup(self):
+            loads.append(1)
 
     run_id = uuid.uuid4().hex
     engine = {"state": "starting"}
@@ -203,10 +212,11 @@ def test_a_worker_the_prepare_pool_adds_starts_after_the_engine_is_ready(ray_clu
     workers: list[StageRunner] = []
     try:
         began = time.monotonic()
-        workers.append(StageRunner([Stage()], run_id=run_id, role="prepare", defer_to="engine"))
+        workers.append(StageRunner([Loading()], run_id=run_id, role="prepare", defer_to="engine"))
         assert workers[0]._state == "ready" and time.monotonic() - began < 5, "the pool's first worker waited"
+        assert loads == [1], "the pool's first worker did not load at its start"
         added = threading.Thread(target=lambda: workers.append(
-            StageRunner([Stage()], run_id=run_id, role="prepare", defer_to="engine")), daemon=True)
+            StageRunner([Loading()], run_id=run_id, role="prepare", defer_to="engine")), daemon=True)
         added.start()
         deadline = time.monotonic() + 10
         while not [b for b in read_heartbeats(run_id) if b["role"] == "prepare" and b["state"] == "waiting"]:
@@ -218,6 +228,8 @@ def test_a_worker_the_prepare_pool_adds_starts_after_the_engine_is_ready(ray_clu
         replica.beat()
         added.join(15)
         assert not added.is_alive() and workers[1]._state == "ready", "the added worker never started"
+        assert loads == [1], "the added worker loaded before its first batch"
+        assert list(workers[1](pa.table({"q": ["a", "b"]}))) and loads == [1, 1]
     finally:
         replica.stop()
         for worker in workers:

@@ -146,8 +146,8 @@ class StageRunner:
     stages have started, hide the process's objects from the garbage collector
     (:func:`freeze_gc_heap`; a worker process of its own, never the caller's). ``defer_to``: the
     engine operator's role, for a pool that grows (the CPU stages' pool on a GPU node): a worker
-    added once the pool works starts its stages after the engines' start
-    (:func:`~llmbatch.watchdog.wait_for_engines`).
+    added once the pool works waits out the engines' start
+    (:func:`~llmbatch.watchdog.wait_for_engines`), then sets its stages up on its first batch.
     """
 
     def __init__(self, stages: list[Stage], *, continue_on_error: bool = True, run_id: str | None = None,
@@ -165,16 +165,20 @@ class StageRunner:
         if run_id is not None:
             self._heartbeat = Heartbeat(run_id, role, self._probe).start()
         self._loop = _LoopThread()
+        deferred = False
         if run_id is not None and defer_to:
             self._state = "waiting"  # (a waiting worker is not a stall: the watchdog sees it busy)
             self._waiting_since = time.time()
             self._heartbeat.beat()
-            wait_for_engines(run_id, role, defer_to, peer_wait_s)
+            deferred = wait_for_engines(run_id, role, defer_to, peer_wait_s)
             self._state = "starting"
             self._heartbeat.beat()
-        self._start_stages()
-        if freeze_heap:
-            freeze_gc_heap()
+        self._freeze_heap = freeze_heap
+        self._started = False
+        # A worker that waited starts its stages with its first batch: Ray Data lets a worker it
+        # added go once the rows are all taken, and one that came too late then loads nothing
+        if not (deferred and all(type(s).start is Stage.start for s in stages)):
+            self._start()
         if run_id is not None and peers > 1:
             self._state = "waiting"
             self._waiting_since = time.time()
@@ -183,6 +187,12 @@ class StageRunner:
         self._state = "ready"
         if self._heartbeat is not None:
             self._heartbeat.beat()
+
+    def _start(self) -> None:
+        self._start_stages()
+        if self._freeze_heap:
+            freeze_gc_heap()
+        self._started = True
 
     def _start_stages(self) -> None:
         """Start every stage. An engine's start (vLLM's own set-up: tens of seconds on a GPU)
@@ -217,6 +227,8 @@ class StageRunner:
             raise RowError(stage, error_type, message, describe_row(failed))
 
     def __call__(self, batch: pa.Table) -> Iterator[pa.Table]:
+        if not self._started:
+            self._start()
         rows = decode_rows(batch)
         for chunk in self._loop.iterate(run_batches(self.stages, rows, self.batch_rows)):
             if not chunk:
