@@ -11,6 +11,8 @@
 # Each writes OUTDIR/unique-*.json (raw runs), a log, and the start-up ledger (starts-*.jsonl).
 # GPU_UTIL=1: every run samples nvidia-smi every 0.5 s into its JSON (`gpu_util`); TIMELINE=1: the
 # whole call runs under bench/proc_timeline.py (every process's CPU seconds, OUTDIR/procs-TAG.json).
+# On the lent machine keep OUTDIR in /tmp across calls (e.g. /tmp/res) and end each call with
+# `tar czf $OUT/res.tgz -C /tmp/res .`: a call brings back at most 8 files, and $OUT starts empty.
 set -uo pipefail
 P=${1:?payload folder}; OUTDIR=${2:?output folder}; MODE=${3:?warmup or rounds}
 export PYTHONPATH=/tmp/site:${SRC:-$P/src} VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 \
