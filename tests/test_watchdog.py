@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from types import SimpleNamespace
 
+import llmbatch.watchdog as watchdog
 from llmbatch.watchdog import HEARTBEAT_FRESH_S, diagnose, wait_for_engines
 
 
@@ -46,8 +47,8 @@ def test_without_checkpoints_nothing_is_said_of_them():
     assert "CheckpointFilter" not in text and "no progress for 50 s" in text
 
 
-def beats_of(*sequence):
-    """A ``read`` for wait_for_engines: each call returns the next heartbeats (the last repeats)."""
+def beats_of(monkeypatch, *sequence):
+    """The heartbeats wait_for_engines reads: each read the next (the last repeats); the reads."""
     calls = []
 
     def read(run_id):
@@ -55,7 +56,8 @@ def beats_of(*sequence):
         calls.append(run_id)
         return [{**b, "at": b.get("at", time.time())} for b in beats]
 
-    return read, calls
+    monkeypatch.setattr(watchdog, "read_heartbeats", read)
+    return calls
 
 
 WORKING = {"role": "prepare", "state": "ready"}
@@ -63,30 +65,31 @@ STARTING = {"role": "engine", "state": "starting"}
 READY = {"role": "engine", "state": "ready"}
 
 
-def test_the_pools_first_worker_starts_while_the_engine_starts():
-    read, calls = beats_of([STARTING])
-    assert wait_for_engines("run", "prepare", "engine", 30, poll_s=0.01, read=read) is False
+def test_the_pools_first_worker_starts_while_the_engine_starts(monkeypatch):
+    calls = beats_of(monkeypatch, [STARTING])
+    assert wait_for_engines("run", "prepare", "engine", 30, poll_s=0.01) is False
     assert len(calls) == 1
 
 
-def test_a_worker_added_to_a_working_pool_waits_until_the_engine_is_ready():
-    read, calls = beats_of([WORKING, STARTING], [WORKING, STARTING], [WORKING, STARTING], [WORKING, READY])
-    assert wait_for_engines("run", "prepare", "engine", 30, poll_s=0.01, read=read) is True
+def test_a_worker_added_to_a_working_pool_waits_until_the_engine_is_ready(monkeypatch):
+    calls = beats_of(monkeypatch, [WORKING, STARTING], [WORKING, STARTING], [WORKING, STARTING], [WORKING, READY])
+    assert wait_for_engines("run", "prepare", "engine", 30, poll_s=0.01) is True
     assert len(calls) == 4, "it went before the engine said ready, or kept waiting after"
 
 
-def test_the_wait_is_bounded_and_old_heartbeats_say_nothing():
-    read, _ = beats_of([WORKING, STARTING])
+def test_the_wait_is_bounded_and_old_heartbeats_say_nothing(monkeypatch):
+    beats_of(monkeypatch, [WORKING, STARTING])
     began = time.monotonic()
-    assert wait_for_engines("run", "prepare", "engine", 0.3, poll_s=0.01, read=read) is True
+    assert wait_for_engines("run", "prepare", "engine", 0.3, poll_s=0.01) is True
     assert 0.3 <= time.monotonic() - began < 3
-    stale, calls = beats_of([WORKING, {**STARTING, "at": time.time() - 10 * HEARTBEAT_FRESH_S}])
-    assert wait_for_engines("run", "prepare", "engine", 30, poll_s=0.01, read=stale) is False
+    calls = beats_of(monkeypatch, [WORKING, {**STARTING, "at": time.time() - 10 * HEARTBEAT_FRESH_S}])
+    assert wait_for_engines("run", "prepare", "engine", 30, poll_s=0.01) is False
     assert len(calls) == 1  # an engine whose heartbeat stopped (it died) holds nothing back
 
 
-def test_heartbeats_that_cannot_be_read_hold_nothing_back():
+def test_heartbeats_that_cannot_be_read_hold_nothing_back(monkeypatch):
     def broken(run_id):
         raise ConnectionError("no GCS")
 
-    assert wait_for_engines("run", "prepare", "engine", 30, poll_s=0.01, read=broken) is False
+    monkeypatch.setattr(watchdog, "read_heartbeats", broken)
+    assert wait_for_engines("run", "prepare", "engine", 30, poll_s=0.01) is False

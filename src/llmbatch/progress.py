@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from llmbatch.io.files import atomic_write_json
-from llmbatch.watchdog import HEARTBEAT_FRESH_S, read_heartbeats
+from llmbatch.watchdog import is_fresh, read_heartbeats
 
 WINDOW_S = 30.0
 #: What a run does before its first answer, in order (the driver and the replicas' heartbeats say which).
@@ -113,7 +113,7 @@ class Progress:
         if self._run_id is None or self.first_row_at is not None or time.time() - self._beats_read < BEATS_EVERY_S:
             return
         self._beats_read = time.time()
-        beats = [b for b in read_heartbeats(self._run_id) if time.time() - float(b.get("at", 0)) < HEARTBEAT_FRESH_S]
+        beats = [b for b in read_heartbeats(self._run_id) if is_fresh(b)]
         if any(b.get("state") == "starting" for b in beats):
             self.set_phase(PHASES[3])
         elif beats:

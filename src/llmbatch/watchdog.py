@@ -110,6 +110,11 @@ def read_heartbeats(run_id: str) -> list[dict[str, Any]]:
     return out
 
 
+def is_fresh(beat: dict[str, Any]) -> bool:
+    """Whether a heartbeat still says something (its worker published it lately)."""
+    return time.time() - float(beat.get("at", 0)) < HEARTBEAT_FRESH_S
+
+
 def wait_for_peers(run_id: str, role: str, peers: int, timeout_s: float, poll_s: float = 1.0) -> int:
     """Block until ``peers`` workers of ``role`` (this one included) have started, so that all
     replicas share the work from the first batch on instead of the first one queueing it all;
@@ -123,7 +128,7 @@ def wait_for_peers(run_id: str, role: str, peers: int, timeout_s: float, poll_s:
         except Exception:  # noqa: BLE001 - cannot see the peers: do not wait for them
             return 1
         started = [b for b in beats if b.get("role") == role and b.get("state") in ("waiting", "ready")
-                   and time.time() - float(b.get("at", 0)) < HEARTBEAT_FRESH_S]
+                   and is_fresh(b)]
         count = len(started)
         if count >= peers:
             # every replica computes the same moment from the same heartbeats and goes then,
@@ -138,8 +143,7 @@ def wait_for_peers(run_id: str, role: str, peers: int, timeout_s: float, poll_s:
         time.sleep(poll_s)
 
 
-def wait_for_engines(run_id: str, role: str, engines: str, timeout_s: float, poll_s: float = 1.0,
-                     read: Callable[[str], list[dict[str, Any]]] | None = None) -> bool:
+def wait_for_engines(run_id: str, role: str, engines: str, timeout_s: float, poll_s: float = 1.0) -> bool:
     """A worker that a pool of ``role`` adds once one of its workers works: wait, before it
     loads anything, while a replica of ``engines`` (the engine operator) is still starting;
     returns whether it waited (heartbeats change every few seconds: one read a second).
@@ -150,12 +154,11 @@ def wait_for_engines(run_id: str, role: str, engines: str, timeout_s: float, pol
     16-core H200 node) only took the engine's CPU (its start 4.3 s slower, issue 29). A pool's
     first worker, and any worker once no engine is starting, starts at once. Bounded by
     ``timeout_s`` (an engine that never says ready does not hold the pool back)."""
-    read = read or read_heartbeats
     deadline = time.monotonic() + timeout_s
     waited = False
     while time.monotonic() < deadline:
         try:
-            beats = [b for b in read(run_id) if time.time() - float(b.get("at", 0)) < HEARTBEAT_FRESH_S]
+            beats = [b for b in read_heartbeats(run_id) if is_fresh(b)]
         except Exception:  # noqa: BLE001 - cannot see the engines: do not wait for them
             break
         working = any(b.get("role") == role and b.get("state") == "ready" for b in beats)
@@ -244,8 +247,7 @@ class StallWatchdog(_execution_callback_base()):
 
 def _busy(beat: dict[str, Any]) -> bool:
     """A fresh heartbeat of a worker that is starting or has requests in its engine."""
-    fresh = time.time() - float(beat.get("at", 0)) < HEARTBEAT_FRESH_S
-    return fresh and (beat.get("state") in ("starting", "waiting") or int(beat.get("in_flight") or 0) > 0)
+    return is_fresh(beat) and (beat.get("state") in ("starting", "waiting") or int(beat.get("in_flight") or 0) > 0)
 
 
 def _progress_state(executor) -> tuple:

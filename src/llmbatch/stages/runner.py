@@ -167,12 +167,9 @@ class StageRunner:
         self._loop = _LoopThread()
         deferred = False
         if run_id is not None and defer_to:
-            self._state = "waiting"  # (a waiting worker is not a stall: the watchdog sees it busy)
-            self._waiting_since = time.time()
-            self._heartbeat.beat()
+            self._say("waiting")  # (a waiting worker is not a stall: the watchdog sees it busy)
             deferred = wait_for_engines(run_id, role, defer_to, peer_wait_s)
-            self._state = "starting"
-            self._heartbeat.beat()
+            self._say("starting")
         self._freeze_heap = freeze_heap
         self._started = False
         # A worker that waited starts its stages with its first batch: Ray Data lets a worker it
@@ -180,11 +177,15 @@ class StageRunner:
         if not (deferred and all(type(s).start is Stage.start for s in stages)):
             self._start()
         if run_id is not None and peers > 1:
-            self._state = "waiting"
-            self._waiting_since = time.time()
-            self._heartbeat.beat()
+            self._say("waiting")
             wait_for_peers(run_id, role, peers, peer_wait_s)
-        self._state = "ready"
+        self._say("ready")
+
+    def _say(self, state: str) -> None:
+        """Enter ``state`` and publish it now (the heartbeat's thread says it again every few s)."""
+        self._state = state
+        if state == "waiting":
+            self._waiting_since = time.time()
         if self._heartbeat is not None:
             self._heartbeat.beat()
 
