@@ -5,8 +5,12 @@ command line and its CPU seconds over time (what a start-up waits for, process b
 
 Runs COMMAND, samples every process that was not running before it every ``--every`` seconds
 until it exits, writes ``{"command", "started_at", "ended_at", "rc", "procs": {pid: {"ppid",
-"cmd", "first_seen", "created", "samples": [[t, cpu_s], ...]}}}`` (epoch seconds; ``created`` is
-the process's own start time)."""
+"cmd", "first_seen", "created", "samples": [[t, cpu_s], ...]}}, "node": [[t, busy_s, steal_s,
+mhz], ...]}`` (epoch seconds; ``created`` is the process's own start time). ``node`` is the whole
+machine at each sample: its CPUs' busy seconds since boot (all but idle and iowait, every
+process's, ours or not), the part of them the hypervisor took (steal) and the CPUs' mean clock
+(MHz, None where the OS does not say): what tells a slower machine from slower code when two
+sessions' figures differ."""
 
 from __future__ import annotations
 
@@ -21,6 +25,19 @@ import psutil
 FIELDS = ["ppid", "cmdline", "cpu_times", "create_time"]
 
 
+def node_sample(now: float) -> list:
+    """[t, busy CPU-s, steal CPU-s, mean MHz] of the whole machine."""
+    times = psutil.cpu_times()
+    idle = times.idle + getattr(times, "iowait", 0.0)
+    busy = sum(times) - idle - getattr(times, "guest", 0.0) - getattr(times, "guest_nice", 0.0)
+    try:
+        freq = psutil.cpu_freq()
+    except (OSError, NotImplementedError):
+        freq = None
+    return [round(now, 2), round(busy, 2), round(getattr(times, "steal", 0.0), 2),
+            round(freq.current) if freq else None]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out")
@@ -33,8 +50,10 @@ def main() -> int:
     started = time.time()
     child = subprocess.Popen(cmd)
     procs: dict[int, dict] = {}
+    node: list[list] = []
     while True:
         now = time.time()
+        node.append(node_sample(now))
         for proc in psutil.process_iter(FIELDS):
             info = proc.info
             if proc.pid in before or info["cpu_times"] is None:
@@ -49,7 +68,7 @@ def main() -> int:
         time.sleep(args.every)
     with open(args.out, "w") as fh:
         json.dump({"command": cmd, "started_at": started, "ended_at": time.time(), "rc": child.returncode,
-                   "procs": procs}, fh)
+                   "procs": procs, "node": node}, fh)
     return child.returncode
 
 
