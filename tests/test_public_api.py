@@ -10,6 +10,18 @@ def test_all_is_sorted_and_complete():
     assert public - modules - {"annotations"} == set(llmbatch.__all__)
 
 
+def test_the_names_for_type_checkers_are_the_public_names():
+    # the lazy names (llmbatch._WHERE, hence __all__) and the imports a type checker reads must agree
+    import ast
+    from pathlib import Path
+
+    tree = ast.parse(Path(llmbatch.__file__).read_text())
+    block = next(node for node in tree.body if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test))
+    imported = {(alias.name, node.module) for node in block.body if isinstance(node, ast.ImportFrom)
+                for alias in node.names}
+    assert imported == set(llmbatch._WHERE.items())
+
+
 def test_every_name_resolves():
     for name in llmbatch.__all__:
         assert getattr(llmbatch, name) is not None

@@ -26,7 +26,7 @@ _WHERE = {
     "Processor": "llmbatch.processor",
 }
 
-if _typing.TYPE_CHECKING:
+if _typing.TYPE_CHECKING:  # the same names, for type checkers and editors
     from llmbatch.builders import build_llm_processor, build_processor
     from llmbatch.config import (
         ChatTemplateStageConfig,
@@ -56,35 +56,7 @@ if _typing.TYPE_CHECKING:
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "ChatTemplateStageConfig",
-    "ConfigError",
-    "DetokenizeStageConfig",
-    "EndpointError",
-    "HttpRequestProcessorConfig",
-    "HttpRequestStageConfig",
-    "JobError",
-    "JobResult",
-    "JobSpec",
-    "LLMBatchError",
-    "LLMConfig",
-    "PrepareMultimodalStageConfig",
-    "Processor",
-    "ProcessorConfig",
-    "RowError",
-    "SGLangEngineProcessorConfig",
-    "ServeDeploymentProcessorConfig",
-    "TokenizerStageConfig",
-    "VerifyReport",
-    "build_llm_deployment",
-    "build_llm_processor",
-    "build_processor",
-    "load_job",
-    "run_job",
-    "vLLMEngineProcessorConfig",
-    "verify_job",
-    "verify_rows",
-]
+__all__ = sorted(_WHERE)  # (tests/test_public_api.py: the names above for type checkers match)
 
 
 def __getattr__(name: str):
