@@ -13,6 +13,8 @@ the driver was busy per batch (the longest stall), when each representative was 
 after it arrived (what a SIGKILL at that moment would lose), and the seconds the replicas'
 output stage took to make the batches (``replica_s``, all replicas together). ``--encoded``:
 the batches come as pickled rows that the driver types (the form before the ninth session).
+With ``--stream``, ``--output`` then writes the output from those parts (as a real run's: every
+row with its conversation and prompt) and prints its seconds too.
 
 CUSTOMERS.csv: ``llmbatch sample FILE --rows 2000000 --seed 0``. Prints one JSON line of seconds.
 """
@@ -47,6 +49,7 @@ def main() -> None:
     ap.add_argument("--dir", default="/tmp/driver-costs")
     ap.add_argument("--stream", type=float, default=0.0, help="representatives a second (see above)")
     ap.add_argument("--encoded", action="store_true", help="with --stream: pickled rows, typed by the driver")
+    ap.add_argument("--output", action="store_true", help="with --stream: then write the output from its parts")
     args = ap.parse_args()
     folder = Path(args.dir)
     shutil.rmtree(folder, ignore_errors=True)
@@ -70,6 +73,8 @@ def main() -> None:
     out.update(fold_s=round(time.time() - t, 2), rows=info["rows"], representatives=int(fold.send.sum()))
     if args.stream:
         out.update(stream(job, fold, info["rows"], args.stream, args.commit_rows, encoded=args.encoded))
+        if args.output:
+            out.update(write_output(job, info["rows"]))
         print(json.dumps(out))
         return
     t = time.time()
@@ -84,13 +89,18 @@ def main() -> None:
         for start in range(0, n, args.commit_rows):
             job.dir.commit(table.slice(start, args.commit_rows))
     out["commit_s"] = round(time.time() - t, 2)
+    out.update(write_output(job, info["rows"]))
+    print(json.dumps(out))
+
+
+def write_output(job, rows: int) -> dict:
+    """Seconds to scan the parts' state, and to write the output from them."""
     t = time.time()
-    state = job.dir.state(info["rows"])
-    out["state_s"] = round(time.time() - t, 2)
+    state = job.dir.state(rows)
+    state_s = round(time.time() - t, 2)
     t = time.time()
     job.kind.write_output(job, state)
-    out["output_s"] = round(time.time() - t, 2)
-    print(json.dumps(out))
+    return {"state_s": state_s, "output_s": round(time.time() - t, 2)}
 
 
 def replica_rows(table: pa.Table) -> list[dict]:

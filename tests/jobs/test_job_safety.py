@@ -46,8 +46,9 @@ def write_job(tmp_path, body: str = JOB, rows: int = ROWS):
     return path
 
 
-def answer(job: JobDir, ids, error_ids=()):
-    """Commit answers for ``ids`` as the driver would (error rows for ``error_ids``)."""
+def answer(job: JobDir, ids, error_ids=(), **columns):
+    """Commit answers for ``ids`` as the driver would (error rows for ``error_ids``; ``columns``:
+    more columns, the same value in every row)."""
     rows = []
     for path in job.input_files():
         for row in input_rows(path):
@@ -57,7 +58,7 @@ def answer(job: JobDir, ids, error_ids=()):
                            num_input_tokens=7, num_generated_tokens=0 if failed else 2,
                            finish_reason="error" if failed else "stop",
                            **{ERROR_COLUMN: "engine: ValueError: rejected" if failed else "",
-                              STATS: {"replica": "r1", "deduped": False}})
+                              STATS: {"replica": "r1", "deduped": False}}, **columns)
                 rows.append(row)
     job.commit(rows_to_table(rows))
 
@@ -119,6 +120,34 @@ def test_postprocess_job_parts_without_error_column_are_read(tmp_path):
     assert job.state().counts()["ok"] == ROWS
     assert job_status(job.root)["rows_ok"] == ROWS
     assert run_job(spec, quiet=True).ok
+
+
+def test_the_output_reads_only_the_parts_columns_it_writes(tmp_path, monkeypatch):
+    # a part also holds each row's conversation and prompt (a kilobyte a row in a big job), which
+    # the output leaves out: reading them for every part was most of a 2,000,000-row job's output
+    from llmbatch.jobs import store
+
+    body = JOB.replace("output: {path: out/result.jsonl}",
+                       "output: {path: out/result.jsonl, rename: {generated_text: industry}}")
+    spec = load_job(write_job(tmp_path, body))
+    job = JobDir(spec.resolved_job_dir())
+    opened = job_for(spec)
+    open_job(opened)
+    read_input(opened)
+    answer(job, set(range(ROWS)), error_ids={3}, prompt="a long prompt " * 20,
+           messages=json.dumps([{"role": "user", "content": "x"}]), batch_uuid="b")
+    read = []
+    real = store.read_part_columns
+    monkeypatch.setattr(store, "read_part_columns", lambda path, columns: read.append(real(path, columns)) or read[-1])
+    assert run_job(spec, quiet=True).ok
+    assert read and all(not {"prompt", "messages", "batch_uuid"} & set(t.column_names) for t in read), \
+        [t.column_names for t in read]
+    lines = [json.loads(line) for line in open(spec.output.path)]
+    assert len(lines) == ROWS - 1 and lines[0]["industry"] == "answer 0" and lines[0]["Company"] == "Company 0"
+    assert {"Index", "Company", "industry", "num_generated_tokens"} <= set(lines[0]) and "prompt" not in lines[0]
+    [error] = [json.loads(line) for line in open(job.errors_path)]
+    assert error["id"] == 4 and error["row"] == {"Index": "4", "Company": "Company 3"}, error
+    assert job_status(job.root)["rows_ok"] == ROWS - 1
 
 
 @pytest.mark.parametrize("step", ["written", "finalizing", "output-swapped", "errors-swapped"])

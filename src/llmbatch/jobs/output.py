@@ -99,6 +99,14 @@ def input_types(spec: JobSpec, meta: JobMeta) -> dict[str, str]:
     return {rename.get(c, c): t for c, t in types.items() if t != "string"}
 
 
+def _read_columns(spec: JobSpec, meta: JobMeta, columns: list[str]) -> set[str]:
+    """The parts' columns the output reads: its own (as the parts name them, before ``rename``),
+    the input's (an error row's line shows them), the error and the counts' columns."""
+    before = {new: old for old, new in (spec.output.rename or {}).items()}
+    return ({before.get(c, c) for c in columns} | set(meta.columns) | set(Tally.COLUMNS)
+            | {ROW_ID, ERROR_COLUMN})
+
+
 def _success_columns(table: pa.Table, spec: JobSpec, types: dict[str, str]) -> pa.Table:
     rename = spec.output.rename or {}
     if ROW_ID in table.column_names and not spec.input.id_column:
@@ -174,7 +182,7 @@ def write_output(job: Job, state: State) -> tuple[str, Tally]:
     tmp_errors = root.errors_path.with_name(".errors.jsonl.tmp")
     try:
         with open(tmp_errors, "w") as errors_fh:
-            for table, newest in root.iter_final_rows(state):
+            for table, newest in root.iter_final_rows(state, _read_columns(spec, meta, columns)):
                 if ERROR_COLUMN in table.column_names:
                     is_err = has_text(table.column(ERROR_COLUMN))
                 else:

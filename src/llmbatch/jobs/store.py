@@ -22,12 +22,13 @@ import collections
 import concurrent.futures
 import contextlib
 import fcntl
+import functools
 import hashlib
 import json
 import os
 import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -269,9 +270,13 @@ class JobDir:
 
     # -- output ------------------------------------------------------------------------------
 
-    def iter_final_rows(self, state: State) -> Iterator[tuple[pa.Table, np.ndarray]]:
-        """Each part with the mask of its rows that are the newest state of their id."""
-        for path, table in read_ahead(self.part_files(), pq.read_table):
+    def iter_final_rows(self, state: State, columns: Collection[str] | None = None
+                        ) -> Iterator[tuple[pa.Table, np.ndarray]]:
+        """Each part with the mask of its rows that are the newest state of their id; with
+        ``columns``, only those of them a part has (and the row id): a part also holds what the
+        output leaves out, such as each row's whole conversation and prompt."""
+        read = pq.read_table if columns is None else functools.partial(read_part_columns, columns=columns)
+        for path, table in read_ahead(self.part_files(), read):
             ids = table.column(ROW_ID).to_numpy()
             mask = state.latest[ids] == self.part_index(path)
             if mask.any():
@@ -301,6 +306,12 @@ def read_ahead(paths: list[Path], read: Callable[[Path], T]) -> Iterator[tuple[P
         while waiting:
             done, future = waiting.popleft()
             yield done, future.result()
+
+
+def read_part_columns(path: Path, columns: Collection[str]) -> pa.Table:
+    """A committed part's columns among ``columns`` (and its row ids), in the part's order."""
+    with pq.ParquetFile(path) as part:
+        return part.read(columns=[n for n in part.schema_arrow.names if n in columns or n == ROW_ID])
 
 
 def read_part_state(path: Path) -> tuple[np.ndarray, np.ndarray]:

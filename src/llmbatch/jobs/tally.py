@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import pyarrow as pa
@@ -54,6 +54,9 @@ def _column(table: pa.Table, name: str, default: Any) -> list[Any]:
 @dataclass
 class Tally:
     """Counts over rows of committed parts (answered rows and error rows)."""
+
+    #: the columns the counts read
+    COLUMNS: ClassVar[tuple[str, ...]] = (ERROR_COLUMN, STATS, "num_input_tokens", "num_generated_tokens")
 
     ok: int = 0
     errors: int = 0
