@@ -148,6 +148,8 @@ def test_the_output_reads_only_the_parts_columns_it_writes(tmp_path, monkeypatch
     [error] = [json.loads(line) for line in open(job.errors_path)]
     assert error["id"] == 4 and error["row"] == {"Index": "4", "Company": "Company 3"}, error
     assert job_status(job.root)["rows_ok"] == ROWS - 1
+    stats = json.loads(job.stats_path.read_text())  # the counts read their columns too
+    assert stats["rows_by_replica"] == {"r1": ROWS - 1} and stats["input_tokens"] == 7 * (ROWS - 1), stats
 
 
 @pytest.mark.parametrize("step", ["written", "finalizing", "output-swapped", "errors-swapped"])
