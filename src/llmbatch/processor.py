@@ -273,6 +273,8 @@ class Processor:
         ctx.wait_for_min_actors_s = -1
         ctx.execution_no_progress_timeout_s = -1  # ours (below) knows a busy engine from a stall
         run_id = self.run_id = uuid.uuid4().hex  # a job's live view reads the start-up phase from its heartbeats
+        if isinstance(lay.engine, WarmEngineStage):
+            lay.engine.run = run_id  # (its replicas never take each other's warm host)
         watch(ctx, run_id, lay.stall_timeout_s)
         if _joins_datasets(ds):
             # a union of a pandas-backed dataset (from_pandas, a pandas map_batches) and an Arrow

@@ -279,6 +279,35 @@ def test_a_lessee_that_idles_loses_its_host_to_the_next_run_and_leases_again():
     assert len(warm._hosts()) == 1, "one host served both"
 
 
+def test_a_replica_never_takes_the_host_of_an_idle_peer_of_its_own_run():
+    # a run's replicas wait for each other before their first batch (watchdog.wait_for_peers):
+    # the first one's host idled past TAKEOVER_IDLE_S while the second leased, which took it,
+    # and the run's replicas shared one engine (a fresh clone's suite: one replica answered all)
+    async def peers(run_a: str, run_b: str):
+        replicas = []
+        for run in (run_a, run_b):
+            replica = warm.WarmEngineStage(_stage(), 60.0)
+            replica.run = run
+            replica.prepare()
+            replica.begin()
+            await replica.start()
+            replicas.append(replica)
+            if len(replicas) == 1:
+                await asyncio.sleep(engine_host.TAKEOVER_IDLE_S + 1)
+        out = []
+        for replica in replicas:
+            async for chunk in replica([{"prompt": "x"}]):
+                out.append(chunk[0]["generated_text"].split(":")[0])
+            await replica.close()
+        return out
+
+    first, second = _run(peers("run-1", "run-1"))
+    assert first != second and len(warm._hosts()) == 2, "each replica of the run on a host of its own"
+    _stop_all_hosts()
+    first, second = _run(peers("run-1", "run-2"))  # the next run's replica takes the idle one's host
+    assert len(warm._hosts()) == 1, (first, second)
+
+
 def test_a_host_busy_with_a_batch_is_kept_and_the_next_run_gets_another():
     async def both():
         busy = warm.WarmEngineStage(_stage(delay_s=60.0), 60.0)

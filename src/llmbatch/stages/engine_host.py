@@ -92,6 +92,7 @@ class EngineHost:
         self._start_began = 0.0
         self.token: str | None = None
         self.lessee: Any = None
+        self.run = ""  # the lessee's run (its processor call)
         self.chain: list[Stage] | None = None
         self._tasks: set[asyncio.Task] = set()
         self.idle_since = time.time()
@@ -102,15 +103,20 @@ class EngineHost:
 
     # -- leases ------------------------------------------------------------------------------
 
-    async def lease(self, token: str, chain: list[Stage], lessee: Any, keep_warm_s: float) -> dict[str, Any]:
+    async def lease(self, token: str, chain: list[Stage], lessee: Any, keep_warm_s: float,
+                    run: str = "") -> dict[str, Any]:
         """Lease this host to a run's replica: ``chain`` (the run's stages, one of them its
         engine stage) runs here, the engine stage on this host's engine, started now if it is
         not yet. Returns ``{"ok": bool, ...}``; raises the engine's :class:`EngineStartError`
-        where it cannot start."""
+        where it cannot start. A live lessee of the same ``run`` keeps the host however long it
+        idles: it is a peer replica waiting for the others before its first batch, not the last
+        run's replica on its way out (taking its host put the run's replicas on one engine)."""
         if self._watcher is None:
             self._watcher = asyncio.ensure_future(self._watch())
         if self._closing:
             return {"ok": False, "why": "stopping"}
+        if self.token not in (None, token) and run and run == self.run and await self._lessee_alive():
+            return {"ok": False, "why": "leased"}
         if self.token not in (None, token):
             deadline = time.monotonic() + HANDOVER_WAIT_S
             while self.token is not None:
@@ -120,7 +126,7 @@ class EngineHost:
                 if time.monotonic() > deadline:
                     return {"ok": False, "why": "leased"}
                 await asyncio.sleep(0.2)
-        self.token, self.lessee, self.keep_warm_s = token, lessee, keep_warm_s
+        self.token, self.lessee, self.keep_warm_s, self.run = token, lessee, keep_warm_s, run
         leased_at = time.time()
         warm = self.engine is not None
         stage = next(s for s in chain if isinstance(s, EngineStage))
@@ -160,7 +166,7 @@ class EngineHost:
             self._release()
 
     def _release(self) -> None:
-        self.token, self.lessee, self.chain = None, None, None
+        self.token, self.lessee, self.chain, self.run = None, None, None, ""
         for task in list(self._tasks):
             task.cancel()
         self.idle_since = time.time()

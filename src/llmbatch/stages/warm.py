@@ -19,7 +19,8 @@ instead of starting an engine.
   its input and shapes its output.
 - One lease at a time per host. A host whose lessee died (a killed driver, a replica Ray took
   away) or has sent it no batch for :data:`TAKEOVER_IDLE_S` (the last run's replica, which Ray
-  Data ends a moment after its last batch) is handed to the next run (a dead lessee's batch,
+  Data ends a moment after its last batch; never a live replica of the same run, which idles
+  while it waits for its peers) is handed to the next run (a dead lessee's batch,
   still in the engine, is cancelled: the host looks at its lessee every ten seconds); a run that finds every
   matching host busy starts one more. A replica whose host was handed away while it idled
   leases another for its next batch.
@@ -174,9 +175,9 @@ async def _stop_idle_others(key: str, keep: int, room: float = 0.0) -> None:
 
 
 async def lease(chain: list[Stage], key: str, keep_warm_s: float,
-                host_resources: dict[str, Any]) -> tuple[Any, str]:
-    """Lease a host for ``chain`` (one with ``key`` that is free, else a new one); returns the
-    host's handle and the lease's token."""
+                host_resources: dict[str, Any], run: str = "") -> tuple[Any, str]:
+    """Lease a host for ``chain`` (one with ``key`` that is free, else a new one) for a replica
+    of ``run``; returns the host's handle and the lease's token."""
     import ray
     from ray.exceptions import RayActorError, RayTaskError
 
@@ -207,7 +208,7 @@ async def lease(chain: list[Stage], key: str, keep_warm_s: float,
                 continue
         tried.add(name)
         try:
-            answer = await handle.lease.remote(token, chain, me, keep_warm_s)
+            answer = await handle.lease.remote(token, chain, me, keep_warm_s, run)
         except RayActorError:
             continue  # the host died (or is stopping): the next one
         except RayTaskError as exc:
@@ -248,6 +249,8 @@ class WarmEngineStage(Stage):
         #: what the host holds: the replica's devices (the processor sets them when it runs)
         self.host_resources: dict[str, Any] = {}
         self.key = ""
+        #: the run's id (the processor sets it): a replica never takes a host from a peer of its run
+        self.run = ""
         self.host: Any = None
         self.token = ""
         self.process_start_at = 0.0
@@ -274,7 +277,7 @@ class WarmEngineStage(Stage):
 
     async def _lease(self) -> None:
         self.host, self.token = await lease(self.chain, self.key or warm_key(self.local, self.host_resources),
-                                            self.keep_warm_s, self.host_resources)
+                                            self.keep_warm_s, self.host_resources, self.run)
 
     async def close(self) -> None:
         host, self.host = self.host, None
