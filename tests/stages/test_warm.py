@@ -126,6 +126,7 @@ def test_other_settings_get_their_own_host_and_the_least_used_makes_room(env, mo
     # where the machine has less than ROOM_FRACTION of its memory available, fewer stay (the next
     # test): the count rule is tested with memory to spare, whatever the machine has just now
     monkeypatch.setattr(warm, "memory_shortfall", lambda fraction: 0)
+    monkeypatch.setattr(warm, "LOW_MEMORY_FRACTION", 0.0)  # nor do the hosts stop by themselves
     if env is None:
         monkeypatch.delenv(warm.IDLE_OTHERS_ENV, raising=False)
     else:
@@ -158,6 +159,7 @@ def test_where_memory_is_short_the_least_used_idle_hosts_stop_until_their_memory
     engine most runs used ("a", leased three times) stays loaded. Missing more than they all
     hold, every idle host of other settings stops."""
     monkeypatch.setattr(warm, "memory_shortfall", lambda fraction: 0)
+    monkeypatch.setattr(warm, "LOW_MEMORY_FRACTION", 0.0)  # (the suite's own engines beside it)
     for name in "aaab":
         _run(_answer(name))
     assert len(set(warm._hosts().values())) == 2

@@ -84,9 +84,10 @@ class LeaseLost(RuntimeError):
 class EngineHost:
     """The detached actor that keeps one engine loaded between runs (module docstring)."""
 
-    def __init__(self, key: str, keep_warm_s: float):
+    def __init__(self, key: str, keep_warm_s: float, low_memory_fraction: float = LOW_MEMORY_FRACTION):
         self.key = key
         self.keep_warm_s = keep_warm_s
+        self.low_memory_fraction = low_memory_fraction  # (0: never stops for memory)
         self.engine: Any = None
         self._starting: asyncio.Future | None = None
         self._start_began = 0.0
@@ -273,7 +274,7 @@ class EngineHost:
                 continue
             if time.time() - self.idle_since > self.keep_warm_s:
                 await self._close("idle for keep_warm_s")
-            elif short_of_memory(LOW_MEMORY_FRACTION):
+            elif short_of_memory(self.low_memory_fraction):
                 short_since = short_since or time.monotonic()
                 if stops_for_memory(time.monotonic() - short_since, self.leases):
                     logger.info("warm engine host stops: its machine is short of memory")

@@ -57,7 +57,7 @@ from llmbatch.errors import EngineStartError
 from llmbatch.rows import PRIVATE_PREFIX, STATS, Row
 from llmbatch.stages.base import Stage
 from llmbatch.stages.engine import EngineStage, process_start
-from llmbatch.stages.engine_host import EngineHost, LeaseLost, memory_shortfall
+from llmbatch.stages.engine_host import LOW_MEMORY_FRACTION, EngineHost, LeaseLost, memory_shortfall
 
 logger = logging.getLogger(__name__)
 
@@ -199,7 +199,7 @@ async def lease(chain: list[Stage], key: str, keep_warm_s: float,
             name = next(f"{PREFIX}:{key}:{n}" for n in range(len(taken) + 1) if f"{PREFIX}:{key}:{n}" not in taken)
             options = {"name": name, "namespace": NAMESPACE, "lifetime": "detached", "get_if_exists": True,
                        "num_cpus": 0, "max_restarts": 0, **host_resources}
-            handle = _host_class().options(**options).remote(key, keep_warm_s)
+            handle = _host_class().options(**options).remote(key, keep_warm_s, LOW_MEMORY_FRACTION)
         else:
             try:
                 handle = ray.get_actor(name, namespace=NAMESPACE)
