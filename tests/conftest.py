@@ -100,7 +100,7 @@ def ray_cluster():
         with startlog.timed("ray-cluster"):
             subprocess.run(cmd, check=True, capture_output=True, env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
     except subprocess.CalledProcessError:
-        _stop_own_cluster(temp)  # a head that failed half-way (its raylet died) leaves its GCS and monitors running
+        _stop_own_cluster(temp, port)  # a head that failed half-way (its raylet died) leaves its GCS and monitors running
         shutil.rmtree(temp, ignore_errors=True)
         raise
     address = f"127.0.0.1:{port}"
@@ -111,21 +111,31 @@ def ray_cluster():
         yield address
     finally:
         ray.shutdown()
-        _stop_own_cluster(temp)
+        _stop_own_cluster(temp, port)
         os.environ.pop("RAY_ADDRESS", None)
         os.environ.pop("LLMBATCH_TEST_RAY_TEMP", None)
         shutil.rmtree(temp, ignore_errors=True)
         time.sleep(1)
 
 
-def _stop_own_cluster(temp: Path) -> None:
+def _stop_own_cluster(temp: Path, port: int) -> None:
     """Stop the Ray head this session started, and nothing else: ``ray stop`` would stop every
     Ray cluster on the machine (other sessions' included). Its processes name its temp dir; its
     workers exit with its raylet, but its agents (``ray::DashboardAgent``, ``ray::RuntimeEnvAgent``)
-    rename themselves and outlived SIGTERM once: the named processes' descendants are ended too."""
+    rename themselves and outlived SIGTERM once: the named processes' descendants are ended too.
+    Its Ray client server names neither the temp dir nor has a named parent (``python -m
+    ray.util.client.server --address=<node ip>:<port> ...``, a child of init): found by the
+    head's port, else every fresh clone's suite left one per worker running."""
     from llmbatch.reaper import end_processes, processes_naming, with_descendants
 
-    end_processes(with_descendants([proc.pid for proc in processes_naming(f"{temp}/")]), grace_s=5)
+    own = [proc.pid for proc in processes_naming(f"{temp}/")]
+    for proc in processes_naming("ray.util.client.server"):
+        try:
+            if any(arg.startswith("--address=") and arg.endswith(f":{port}") for arg in proc.cmdline()):
+                own.append(proc.pid)
+        except Exception:  # noqa: BLE001 - it exited meanwhile
+            continue
+    end_processes(with_descendants(own), grace_s=5)
 
 
 @pytest.fixture(scope="session")
