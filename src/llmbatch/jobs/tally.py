@@ -39,12 +39,20 @@ def _field(stats: pa.Array, name: str, empty: Any) -> np.ndarray:
     return pc.fill_null(pc.struct_field(stats, name), empty).to_numpy(zero_copy_only=False)
 
 
-def _texts(stats: pa.Array, name: str) -> np.ndarray:
+def _texts(stats: pa.Array, name: str) -> pa.Array:
     """A text field of a stats struct column ("?" where empty)."""
     if not _has_field(stats, name) or pa.types.is_null(stats.type.field(name).type):
-        return np.full(len(stats), "?", dtype=object)
+        return pa.array(["?"] * len(stats), pa.string())
     values = pc.struct_field(stats, name).cast(pa.string())
-    return np.asarray(pc.if_else(pc.fill_null(pc.equal(values, ""), True), "?", values).to_pylist(), dtype=object)
+    return pc.if_else(pc.fill_null(pc.equal(values, ""), True), "?", values)
+
+
+def _times(stats: pa.Array, name: str) -> list[float]:
+    """The distinct times (> 0) of a stats struct field: a replica's are the same on its every row."""
+    if not _has_field(stats, name) or pa.types.is_null(stats.type.field(name).type):
+        return []
+    values = pc.unique(pc.struct_field(stats, name).cast(pa.float64()))
+    return [float(v) for v in values.filter(pc.fill_null(pc.greater(values, 0.0), False)).to_pylist()]
 
 
 def _column(table: pa.Table, name: str, default: Any) -> list[Any]:
@@ -117,16 +125,20 @@ class Tally:
         if cached is not None:
             self.cached_reported += len(cached) - cached.null_count
             self.cached_tokens += int(pc.sum(cached).as_py() or 0)
+        # per replica by Arrow's hash (np.unique on 500,000 rows sorted them: 0.2 s a table)
         names = _texts(kept, "replica")
+        for item in pc.value_counts(names).to_pylist():
+            self.replicas[item["values"]] += item["counts"]
+            self.restarts.setdefault(item["values"], 0)
         restarts = _field(kept, "restarts", 0).astype(np.int64)
-        for name in np.unique(names):
-            mine = names == name
-            self.replicas[name] += int(mine.sum())
-            self.restarts[name] = max(self.restarts.get(name, 0), int(restarts[mine].max()))
+        if restarts.any():  # (rare: a replica restarted its engine)
+            most = pa.table({"replica": names, "restarts": pa.array(restarts)}) \
+                .group_by("replica").aggregate([("restarts", "max")])
+            for name, n in zip(most.column("replica").to_pylist(), most.column("restarts_max").to_pylist()):
+                self.restarts[name] = max(self.restarts[name], n)
         for key, out in (("ready_at", self.ready_at), ("start_at", self.start_at),
                          ("first_request_at", self.first_request_at)):
-            values = _field(kept, key, 0.0).astype(float)  # (only min() is read: each value once)
-            out.extend(float(v) for v in np.unique(values[values > 0]))
+            out.extend(_times(kept, key))  # (only min() is read: each value once)
 
     def _add_rows(self, table: pa.Table) -> None:
         """:meth:`add` one row at a time (stats that are not a struct column)."""
