@@ -181,13 +181,18 @@ def kill_when_committed(cmd: list[str], job_dir: Path, rows: int, timeout: float
     """Run ``cmd`` in a session of its own; SIGKILL the whole session once ``rows`` rows are
     committed. Returns when it was killed and how many rows were committed then."""
     t0 = time.time()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    log = job_dir.parent / "killed-run.log"  # its output: a job that fails before the kill says why here
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     committed = 0
     while proc.poll() is None and time.time() - t0 < timeout:
         committed = committed_rows(job_dir)
         if committed >= rows:
             break
         time.sleep(0.5)
+    if proc.poll() is not None:  # it ended by itself: nothing to kill, and no kill to measure
+        raise SystemExit(f"the job ended (rc {proc.returncode}) after {time.time() - t0:.1f} s with {committed} rows "
+                         f"committed, before {rows} were: its output is in {log}:\n{log.read_text()[-3000:]}")
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     return {"killed_after_s": round(time.time() - t0, 2), "killed_at_rows": committed_rows(job_dir)}
