@@ -70,10 +70,13 @@ def test_replicas_share_a_gpu_with_a_fractional_bundle():
     assert op.remote_args["num_gpus"] == 0.5 and op.remote_args["num_cpus"] == 2.0, op.remote_args
     assert "ray_remote_args_fn" not in op.remote_args and op.max_workers == 2
     assert "distributed_executor_backend" not in processor.layout.engine.engine.settings.engine_kwargs
+    assert not processor.layout.ray_executor
     whole = vLLMEngineProcessorConfig(model_source=MODEL, placement_group_config={"bundles": [{"GPU": 1}]})
     assert whole.gpu_share() is None
-    op = build_processor(whole, preprocess=lambda r: r).operators({"CPU": 16.0, "GPU": 1.0})[-1]
+    processor = build_processor(whole, preprocess=lambda r: r)
+    op = processor.operators({"CPU": 16.0, "GPU": 1.0})[-1]
     assert "ray_remote_args_fn" in op.remote_args and "num_gpus" not in op.remote_args
+    assert processor.layout.ray_executor  # (a cluster without GPUs refuses it: test_processor_vllm)
 
 
 def test_the_output_stage_runs_last_in_the_last_operator_and_nothing_else_carries_job_flags():

@@ -124,6 +124,7 @@ def build_vllm_layout(config: vLLMEngineProcessorConfig, **kwargs: Any) -> Layou
         keep_warm_s = 0.0  # a warm host serves engines of one device only (stages/warm.py)
     layout = _engine_layout(config, VLLMEngine(settings), remote_fn=remote_fn, keep_warm_s=keep_warm_s,
                             lora_base_rows_apart=config.lora_base_rows_apart, **kwargs)
+    layout.ray_executor = engine_kwargs.get("distributed_executor_backend") == "ray"
     if share is not None:  # a replica takes its share of one GPU (Ray schedules it with a fractional num_gpus)
         layout.devices_per_replica = share
         bundle_cpus = config.placement_group_config["bundles"][0].get("CPU")

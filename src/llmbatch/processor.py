@@ -63,6 +63,10 @@ class StageSpec:
         return not self.remote_args and (self.config is None or not self.config.own_resources())
 
 
+#: Ray's resource names of the accelerators vLLM's Ray executor places workers on
+ACCELERATORS = ("GPU", "TPU", "HPU", "NPU", "neuron_cores")
+
+
 @dataclass
 class Layout:
     """Everything a processor runs, resolved from its config once, by its builder."""
@@ -84,6 +88,9 @@ class Layout:
     engine_remote_args_fn: Callable[[], dict[str, Any]] | None = None
     stall_timeout_s: float | None = None
     needs_gpu: bool = False  # an engine with no CPU build (SGLang)
+    #: vLLM places its workers through Ray's executor (``placement_group_config`` sets it), which
+    #: vLLM's CPU build does not have
+    ray_executor: bool = False
     #: the engine workers' own resources (num_cpus, memory) where a stage config sets them
     engine_resources: dict[str, Any] | None = None
     #: the last stage, in the last operator: the shape of the output rows (the public API's, or
@@ -249,6 +256,12 @@ class Processor:
         if lay.needs_gpu and not cluster.get("GPU"):
             raise ResourceError(f"{type(self.config).__name__} needs a GPU and this Ray cluster has none; "
                                 "run it on a GPU machine or cluster, or use vLLMEngineProcessorConfig here")
+        if lay.ray_executor and not any(cluster.get(name) for name in ACCELERATORS):
+            raise ConfigError("engine_kwargs.distributed_executor_backend is 'ray' (placement_group_config sets it: "
+                              "vLLM then places its workers through Ray), which vLLM's CPU build does not have, and "
+                              "this Ray cluster has no GPU: on a machine without GPUs leave placement_group_config "
+                              "and distributed_executor_backend out (each replica runs its engine in a process of "
+                              "its own)")
         _check_input_columns(dataset)
         ops = self.operators(cluster)
         if isinstance(lay.engine, WarmEngineStage):

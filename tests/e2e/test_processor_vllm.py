@@ -222,6 +222,22 @@ def test_accelerator_type_that_no_node_has_fails_fast(ray_cluster):
         processor(ray.data.from_items([{"a": 1}]))
 
 
+def test_a_placement_group_on_a_cluster_without_gpus_fails_before_any_work(ray_cluster):
+    """placement_group_config makes vLLM place its workers through Ray's executor, which vLLM's
+    CPU build does not have: unchecked, the replica started its engine and failed with "Engine
+    core initialization failed. See root cause above." (the cause only in the engine's log)."""
+    import ray
+
+    from llmbatch.errors import ConfigError
+
+    for pg, kwargs in (({"bundles": [{"CPU": 1}]}, {}), (None, {"distributed_executor_backend": "ray"})):
+        config = vLLMEngineProcessorConfig(model_source="smollm2-135m-instruct", placement_group_config=pg,
+                                           engine_kwargs=kwargs)
+        processor = build_processor(config, preprocess=lambda r: dict(prompt="x"))
+        with pytest.raises(ConfigError, match="leave placement_group_config and distributed_executor_backend out"):
+            processor(ray.data.from_items([{"a": 1}]))
+
+
 def test_a_second_run_adopts_the_warm_engine_of_the_first(ray_cluster, smollm2):
     """keep_warm_s (LLMBATCH_KEEP_WARM_S in the suite): a run after another with the same
     engine settings leases that run's engine (llmbatch.stages.warm) instead of starting one,
