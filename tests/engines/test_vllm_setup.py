@@ -60,6 +60,32 @@ def test_generating_with_an_embedding_model_fails_at_start_saying_what_to_set(mi
     assert engine.llm is None  # the engine it had started is closed
 
 
+def test_an_engine_process_that_fails_to_start_gives_its_own_reason(smollm2):
+    """vLLM's front-end says only "Engine core initialization failed. See root cause above.";
+    the engine process's own exception, from the engine log, leads the error (here vLLM's CPU
+    build refusing Ray's executor, which fails before the model loads)."""
+    import asyncio
+    import os
+
+    from llmbatch.engines.vllm import VLLMEngine
+    from llmbatch.errors import EngineStartError
+
+    # (the temp dir stays: vLLM's IPC socket paths under a pytest-xdist tmp_path are over 107 bytes)
+    engine = VLLMEngine(VLLMSettings(model_source=str(smollm2), task_type="generate",
+                                     engine_kwargs={"max_model_len": 256, "distributed_executor_backend": "ray"}))
+    try:
+        with pytest.raises(EngineStartError) as failed:
+            asyncio.run(engine.start())
+        said = str(failed.value)
+        assert said.startswith(f"vLLM could not start model '{smollm2}'"), said
+        assert "ValueError: current platform cpu does not support ray. (vLLM: " in said, said
+        assert "Engine core initialization failed" in said and engine.log.path in said, said
+    finally:
+        if engine.log is not None:
+            engine.log.fh.close()
+            os.unlink(engine.log.path)
+
+
 def test_in_a_ray_actor_the_engine_process_comes_from_the_warm_fork_server(ray_cluster, smollm2):
     """A replica's vLLM engine process is forked from llmbatch's fork server (which imported
     vLLM beside the replica), not spawned afresh, and answers as usual. It starts before the

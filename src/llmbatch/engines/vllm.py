@@ -179,6 +179,7 @@ class VLLMEngine(Engine):
             raise EngineStartError(f"engine_kwargs: {exc}{hint}") from exc
         if self._fork_server:
             self._fork_server = vllm_procs.use_server()
+        mark = self.log.mark()
         try:
             # Offline-batch defaults (vLLM's LLM class: e.g. max_num_seqs 1024 and 16k batched
             # tokens on an H100), not the serving defaults AsyncLLM would pick (128 and 2k).
@@ -193,8 +194,9 @@ class VLLMEngine(Engine):
                                                      stat_loggers=stat_loggers)
             config = self.llm.vllm_config
         except Exception as exc:  # noqa: BLE001 - the engine's own reason is the message
-            raise EngineStartError(
-                f"vLLM could not start model '{self.model_source}' ({self.model_path}): {one_line(exc)} "
+            raise EngineStartError(  # (the engine process's reason first: the front-end's says "see above")
+                f"vLLM could not start model '{self.model_source}' ({self.model_path}): "
+                f"{self.log.with_reason(one_line(exc), mark)} "
                 f"(the engine's full log: {self.log.path})"
             ) from exc
         runner = config.model_config.runner_type
