@@ -94,6 +94,12 @@ MISTAKES = {
     "two prompt sources": Mistake(run_args("--text-column", "b"), ["prompt.user", "prompt.text_column"], CSV,
                                   not_says=["(got"]),
     "output format unknown": Mistake(run_args(out="out/x.txt"), ["--output", "--set output.format="], CSV),
+    # a prompt source that does not suit the task: found from the job alone, before Ray or an engine
+    # starts (it was found where the preprocess is built, after Ray's start)
+    "text column for generation": Mistake(run_args("--text-column", "b", prompt=None),
+                                          ["prompt.text_column", "prompt.prompt_column"], CSV),
+    "one text for task score": Mistake(run_args("--task", "score", "--text-column", "b", prompt=None),
+                                       ["task 'score'", "prompt.pair_columns"], CSV),
 }
 
 

@@ -1,4 +1,5 @@
-"""What a job checks before it creates anything or starts any engine: that its input can be read
+"""What a job checks before it creates anything or starts any engine: that its prompt suits its
+task (a text column to embed, a pair to score, chat templates to generate), that its input can be read
 and has rows, that its output, error file and job directory can be written (a probe file created
 and removed), and that its model can be found on this machine (resolved in the driver, before
 Ray starts).
@@ -33,6 +34,8 @@ MODEL = "--model (model.source)"
 def check_job(job: Job, *, force: bool = False) -> None:
     """Every check a run makes before it touches anything (see the module docstring)."""
     spec = job.spec
+    if spec.prompt is not None:  # (its preprocess is built on Ray, where it says so again)
+        spec.prompt.check_task(job.task)
     if force or not _ingested(job.dir):
         check_input(spec, job.kind.input_flag)
     (output, output_flag), *others = job.kind.outputs(job)

@@ -40,11 +40,7 @@ class PoolingPreprocess:
     the text as is (a column, or a ``prompt.user`` template), or the pair of columns."""
 
     def __init__(self, prompt: PromptSpec, pooling_params: dict[str, Any], task: str):
-        if prompt.system or prompt.messages_column or prompt.choices or prompt.json_schema or prompt.regex:
-            raise ConfigError(f"task {task!r} takes a text (prompt.text_column, prompt.prompt_column or a prompt.user "
-                              "template) or a pair (prompt.pair_columns), not chat messages or answer constraints")
-        if (task == "score") != (prompt.pair_columns is not None) and not prompt.user and not prompt.prompt_column:
-            raise ConfigError("task 'score' takes prompt.pair_columns: [first, second]; the other tasks take one text")
+        prompt.check_task(task)
         self.prompt = prompt
         self.pooling_params = dict(pooling_params or {})
 
@@ -65,9 +61,7 @@ class TemplatePreprocess:
     """``row -> {messages | prompt, sampling_params}`` from a job's prompt section."""
 
     def __init__(self, prompt: PromptSpec, sampling_params: dict[str, Any]):
-        if prompt.text_column is not None or prompt.pair_columns is not None:
-            raise ConfigError("prompt.text_column and prompt.pair_columns are for the pooling tasks (task: embed, "
-                              "classify or score); to generate from a column's text use prompt.prompt_column")
+        prompt.check_task("generate")
         self.prompt = prompt
         params = copy.deepcopy(sampling_params or {})
         constraint = None

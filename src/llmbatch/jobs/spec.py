@@ -141,6 +141,19 @@ class PromptSpec(BaseConfig):
                     raise ValueError(f"prompt.{name} is not a valid template: {exc}") from exc
         return self
 
+    def check_task(self, task: str) -> None:
+        """Fail (ConfigError) where the prompt's source does not suit the job's ``task``."""
+        if task == "generate":
+            if self.text_column is not None or self.pair_columns is not None:
+                raise ConfigError("prompt.text_column and prompt.pair_columns are for the pooling tasks (task: embed, "
+                                  "classify or score); to generate from a column's text use prompt.prompt_column")
+            return
+        if self.system or self.messages_column or self.choices or self.json_schema or self.regex:
+            raise ConfigError(f"task {task!r} takes a text (prompt.text_column, prompt.prompt_column or a prompt.user "
+                              "template) or a pair (prompt.pair_columns), not chat messages or answer constraints")
+        if (task == "score") != (self.pair_columns is not None) and not self.user and not self.prompt_column:
+            raise ConfigError("task 'score' takes prompt.pair_columns: [first, second]; the other tasks take one text")
+
     def fields(self) -> list[str]:
         """Input columns the prompt reads."""
         names: list[str] = []
