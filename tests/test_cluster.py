@@ -92,10 +92,12 @@ def test_a_mistake_found_in_a_large_input_stops_the_ray_started_beside_its_read(
     assert len(starts) == 1
 
 
-def test_a_local_ray_started_on_the_thread_outlives_the_start():
+def test_a_local_ray_started_on_the_thread_outlives_the_start(tmp_path):
     """Ray starts its GCS and raylet with PR_SET_PDEATHSIG: they die when the thread that started
     them ends. A real local Ray, in a fresh process (no cluster to join): after the start the
-    thread is still there and Ray still runs a task."""
+    thread is still there and Ray still runs a task. Its TMPDIR is deep (a scheduler's per-job
+    scratch): Ray keeps its sessions under it, and its sockets there were past the 107 bytes a
+    socket's path may have ("AF_UNIX path length cannot exceed 107 bytes"); Ray now starts in /tmp."""
     import os
     import subprocess
     import sys
@@ -110,9 +112,39 @@ def test_a_local_ray_started_on_the_thread_outlives_the_start():
         "print('answer', ray.get(ray.remote(lambda: 41 + 1).remote(), timeout=120))\n"
         "start.abandon()\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    deep = tmp_path / ("scratch-" + "d" * 60)
+    deep.mkdir()
+    assert len(str(deep / "ray")) + cluster.RAY_SOCKET_NAME_LEN > 107  # too long for Ray's own choice
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_TMPDIR")} | {"TMPDIR": str(deep)}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0 and "answer 42" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+
+
+def test_a_temp_dir_too_long_for_sockets_gets_a_short_one_and_a_short_one_is_kept(monkeypatch, tmp_path):
+    """Where Ray's and vLLM's sockets go (``env.socket_dir``): their default folder where its
+    path leaves room for their names, else /tmp; and the folder a local Ray is started with."""
+    import ray
+
+    from llmbatch.env import socket_dir
+
+    assert socket_dir("/tmp/ray", cluster.RAY_SOCKET_NAME_LEN, "Ray's") is None
+    assert socket_dir("/" + "d" * 70, 37, "vLLM's IPC") == "/tmp"
+    assert socket_dir("/" + "d" * 69, 37, "vLLM's IPC") is None  # 70 + 37 = 107 bytes: fits
+    seen = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kwargs: seen.append(kwargs))  # ensure_ray decides; no Ray starts
+    monkeypatch.delenv(startlog.ENV, raising=False)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.delenv("RAY_TMPDIR", raising=False)
+    monkeypatch.setenv("TMPDIR", str(tmp_path / ("d" * 60)))
+    cluster.ensure_ray()
+    monkeypatch.setenv("TMPDIR", "/var/tmp")
+    cluster.ensure_ray()
+    monkeypatch.setenv("RAY_TMPDIR", "/" + "r" * 60)  # the user's own choice is Ray's to take (or refuse)
+    assert cluster.ray_temp_dir() == "/" + "r" * 60 + "/ray"
+    cluster.ensure_ray()
+    cluster.ensure_ray(_temp_dir="/mine")
+    assert [k.get("_temp_dir") for k in seen] == ["/tmp/ray", None, None, "/mine"]
 
 
 def test_a_size_for_ray_beside_the_read_that_is_no_number_fails_naming_the_variable(tmp_path, monkeypatch):

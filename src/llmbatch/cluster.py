@@ -11,12 +11,13 @@ import logging
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 from typing import Any
 
 from llmbatch import startlog
-from llmbatch.env import env_number
+from llmbatch.env import env_number, socket_dir
 from llmbatch.errors import ResourceError
 
 logger = logging.getLogger(__name__)
@@ -25,6 +26,8 @@ logger = logging.getLogger(__name__)
 #: may still be starting); ``LLMBATCH_RAY_JOIN_TIMEOUT_S`` sets another.
 JOIN_TIMEOUT_S = 30.0
 JOIN_TIMEOUT_ENV = "LLMBATCH_RAY_JOIN_TIMEOUT_S"
+#: The longest socket path below a local Ray's temp folder: "/session_<date>_<time>_<us>_<pid>/sockets/plasma_store".
+RAY_SOCKET_NAME_LEN = 64
 
 
 def ensure_ray(**init_kwargs) -> bool:
@@ -45,6 +48,10 @@ def ensure_ray(**init_kwargs) -> bool:
     own = signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
     address = kwargs.get("address") or os.environ.get("RAY_ADDRESS")
     joined = bool(address)
+    if not joined and "_temp_dir" not in kwargs and not os.environ.get("RAY_TMPDIR"):  # (the user's is kept)
+        short = socket_dir(ray_temp_dir(), RAY_SOCKET_NAME_LEN, "Ray's")
+        if short is not None:
+            kwargs["_temp_dir"] = os.path.join(short, "ray")
     with startlog.timed("ray-init", joined=joined):
         if address:
             check_reachable(address)
@@ -52,7 +59,7 @@ def ensure_ray(**init_kwargs) -> bool:
             ray.init(**kwargs)
         except Exception as exc:  # noqa: BLE001 - Ray's own reason, with what to do about it
             reason = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
-            raise ResourceError(ray_start_failed(reason, address)) from exc
+            raise ResourceError(ray_start_failed(reason, address, kwargs.get("_temp_dir"))) from exc
     if callable(own):
         signal.signal(signal.SIGTERM, own)
     return not joined
@@ -88,14 +95,21 @@ def check_reachable(address: str) -> None:
         time.sleep(0.5)
 
 
-def ray_start_failed(reason: str, address: str | None) -> str:
+def ray_temp_dir() -> str:
+    """The folder a local Ray keeps its sessions in, by Ray's rule: ``RAY_TMPDIR``, else (on
+    Linux) ``TMPDIR``, else /tmp; then ``ray``."""
+    base = os.environ.get("RAY_TMPDIR") or (os.environ.get("TMPDIR") if sys.platform.startswith("linux") else None)
+    return os.path.join(base or "/tmp", "ray")
+
+
+def ray_start_failed(reason: str, address: str | None, temp_dir: str | None = None) -> str:
     """What a failed start or join of Ray says: the reason, and what to do."""
     if address:
         return (f"could not join the Ray cluster at {address} (RAY_ADDRESS): {reason}. Check that the "
                 "cluster's head is up and reachable from this machine (`ray status` there), or unset "
                 "RAY_ADDRESS to run on this machine alone")
-    return (f"Ray could not start on this machine: {reason}. Ray's logs are under its temp folder "
-            "(/tmp/ray/session_latest/logs unless RAY_TMPDIR says another); a machine short of memory, "
+    logs = os.path.join(temp_dir or ray_temp_dir(), "session_latest", "logs")
+    return (f"Ray could not start on this machine: {reason}. Ray's logs are in {logs}; a machine short of memory, "
             "of /tmp space or of CPU starts Ray slowly: free some and run again, or start Ray yourself "
             "(`ray start --head`) and set RAY_ADDRESS=auto")
 

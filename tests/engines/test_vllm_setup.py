@@ -60,17 +60,28 @@ def test_generating_with_an_embedding_model_fails_at_start_saying_what_to_set(mi
     assert engine.llm is None  # the engine it had started is closed
 
 
-def test_an_engine_process_that_fails_to_start_gives_its_own_reason(smollm2):
+def test_an_engine_process_that_fails_to_start_gives_its_own_reason(smollm2, tmp_path, monkeypatch):
     """vLLM's front-end says only "Engine core initialization failed. See root cause above.";
     the engine process's own exception, from the engine log, leads the error (here vLLM's CPU
-    build refusing Ray's executor, which fails before the model loads)."""
+    build refusing Ray's executor, which fails before the model loads).
+
+    The temp dir is deep (a scheduler's per-job scratch): vLLM names its IPC sockets
+    ``{temp dir}/{uuid4}``, past the 107 bytes a socket's path may have, and its front-end failed
+    with ZMQError before the engine process ran (leaving a ZeroMQ context whose clean-up blocked
+    the next garbage collection for ever). They now go to /tmp, and the engine process runs."""
     import asyncio
     import os
+    import tempfile
 
     from llmbatch.engines.vllm import VLLMEngine
+    from llmbatch.engines.vllm_setup import IPC_NAME_LEN
     from llmbatch.errors import EngineStartError
 
-    # (the temp dir stays: vLLM's IPC socket paths under a pytest-xdist tmp_path are over 107 bytes)
+    deep = tmp_path / ("scratch-" + "d" * 60)
+    deep.mkdir()
+    assert len(str(deep)) + IPC_NAME_LEN > 107
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    monkeypatch.delenv("VLLM_RPC_BASE_PATH", raising=False)  # (put back as it was after the test)
     engine = VLLMEngine(VLLMSettings(model_source=str(smollm2), task_type="generate",
                                      engine_kwargs={"max_model_len": 256, "distributed_executor_backend": "ray"}))
     try:
@@ -80,6 +91,7 @@ def test_an_engine_process_that_fails_to_start_gives_its_own_reason(smollm2):
         assert said.startswith(f"vLLM could not start model '{smollm2}'"), said
         assert "ValueError: current platform cpu does not support ray. (vLLM: " in said, said
         assert "Engine core initialization failed" in said and engine.log.path in said, said
+        assert engine.log.path.startswith(str(deep)) and os.environ["VLLM_RPC_BASE_PATH"] == "/tmp"
     finally:
         if engine.log is not None:
             engine.log.fh.close()

@@ -9,10 +9,12 @@ import logging
 import os
 import platform
 import re
+import tempfile
 from pathlib import Path
 from typing import Any
 
 from llmbatch.engines.lora import engine_defaults as lora_engine_defaults
+from llmbatch.env import socket_dir
 from llmbatch.errors import EngineStartError, MissingDependencyError
 from llmbatch.engines.settings import max_model_len
 from llmbatch.models import is_sequence_classifier, resolve_model
@@ -35,11 +37,23 @@ TASK_RUNNERS = {
 }
 
 
+#: The name vLLM gives each of its IPC sockets under ``VLLM_RPC_BASE_PATH`` (default: the temp
+#: dir): "/" and a uuid4.
+IPC_NAME_LEN = 37
+
+
 def engine_env() -> None:
-    """The environment llmbatch gives vLLM unless the user set it (quiet, no usage reports)."""
+    """The environment llmbatch gives vLLM unless the user set it (quiet, no usage reports, IPC
+    sockets in a directory whose path is short enough for them)."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     os.environ.setdefault("DO_NOT_TRACK", "1")
+    if not os.environ.get("VLLM_RPC_BASE_PATH"):
+        # (past 107 bytes vLLM's front-end failed with ZMQError "ipc path ... is longer than 107
+        # characters" and left a ZeroMQ context whose clean-up blocks)
+        short = socket_dir(tempfile.gettempdir(), IPC_NAME_LEN, "vLLM's IPC")
+        if short is not None:
+            os.environ["VLLM_RPC_BASE_PATH"] = short
 
 
 def import_vllm():
