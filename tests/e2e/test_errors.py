@@ -254,6 +254,38 @@ def test_retry_errors_with_a_longer_context_answers_those_rows(bad_job):
     assert "max_model_len: 512 -> 256" in " ".join(refused.stderr.split())
 
 
+def test_an_output_column_the_answers_lack_stops_the_job_at_its_first_part(ray_cluster, smollm2, tmp_path):
+    """A misspelt ``output.columns`` name fails the job once its first answered part is committed
+    (it failed when the output was written, after every row was answered); the job run again
+    with the name fixed keeps what was committed and does the rest."""
+    from llmbatch.sample_data import write_customers_csv
+
+    rows = 64
+    write_customers_csv(tmp_path / "c.csv", rows, seed=7)
+    job = textwrap.dedent("""
+        input: {path: c.csv, id_column: Index}
+        model: {source: smollm2-135m-instruct, engine_kwargs: {max_model_len: 512}, batch_size: 4,
+                max_concurrent_batches: 1}
+        prompt: {user: "Customer {Index}: name {Company}'s industry."}
+        sampling_params: {max_tokens: 4, temperature: 0}
+        output: {path: out/o.parquet, columns: [Index, COLUMN]}
+        commit_rows: 4
+    """)
+    (tmp_path / "job.yaml").write_text(job.replace("COLUMN", "generated_txt"))
+    proc = run_cli("run", str(tmp_path / "job.yaml"), "--quiet")
+    final = proc.stderr[proc.stderr.rfind("error:"):]
+    assert proc.returncode == 2 and "output.columns names ['generated_txt'], which the answered rows" in final, final
+    assert "'generated_text'" in final and "run the job again" in final, final
+    job_dir = tmp_path / "out" / "o.parquet.job"
+    assert 4 <= committed(job_dir) < rows, "the job should stop at its first parts, not after every row"
+    (tmp_path / "job.yaml").write_text(job.replace("COLUMN", "generated_text"))
+    again = run_cli("run", str(tmp_path / "job.yaml"), "--quiet")
+    assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
+    table = pq.read_table(tmp_path / "out" / "o.parquet")
+    assert table.column_names == ["Index", "generated_text"]
+    assert sorted(int(i) for i in table.column("Index").to_pylist()) == list(range(1, rows + 1))
+
+
 def test_engine_that_cannot_start_fails_fast_with_its_reason(ray_cluster, smollm2, tmp_path):
     (tmp_path / "in.jsonl").write_text('{"q": "hi"}\n')
     start = time.monotonic()

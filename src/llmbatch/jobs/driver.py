@@ -12,22 +12,22 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 
 from llmbatch.builders import build_layout
 from llmbatch.cluster import ensure_ray
-from llmbatch.codec import JOB_JSON_COLUMNS, STATE_COLUMN, decode_rows, encode_rows, rows_to_table
+from llmbatch.codec import JOB_JSON_COLUMNS, STATE_COLUMN, decode_rows, rows_to_table
 from llmbatch.errors import EngineStartError, JobError, LLMBatchError, RowError
 from llmbatch.io.writers import conform, unify_schema
 from llmbatch.jobs.fold import BUILD_SLICE, Fold
 from llmbatch.jobs.identity import config_hash
-from llmbatch.jobs.ingest import INGEST_ROWS, input_rows
+from llmbatch.jobs.ingest import INGEST_ROWS, input_rows, todo_dataset
 from llmbatch.jobs.job import Job
+from llmbatch.jobs.output import first_part_check
 from llmbatch.jobs.store import JobDir, committed_answers
 from llmbatch.jobs.tally import Tally
 from llmbatch.processor import Processor
@@ -86,9 +86,10 @@ class Committer:
     """Buffers the output stream and commits it in parts; drops rows already committed."""
 
     def __init__(self, job: JobDir, done: np.ndarray, progress: Progress, commit_rows: int, commit_seconds: float,
-                 fold: Fold | None = None):
+                 fold: Fold | None = None, check: Callable[[pa.Table], bool] | None = None):
         self.job = job
         self.fold = fold
+        self.check = check  # of the first committed part with answers (output.first_part_check)
         self.done = done
         self.progress = progress
         self.commit_rows = commit_rows
@@ -177,6 +178,8 @@ class Committer:
         began = time.perf_counter()
         self.job.commit_parts(parts)
         self.progress.add(**Tally.of(table).progress_counts())
+        if self.check is not None and self.check(table):  # (raises for the stream where it fails)
+            self.check = None
         self.busy["parts"] += time.perf_counter() - began
 
     def flush_due(self) -> None:
@@ -235,48 +238,14 @@ class Committer:
         self._settle(WRITE_AHEAD)
 
 
-def todo_dataset(job: Job, todo: np.ndarray):
-    """The input rows to send (``todo``), as a Ray Dataset of encoded rows (one block per input
-    file; the processor cuts it into blocks of one engine batch)."""
-    import ray
-    import ray.data
-
-    per_file = job.meta.ingest_rows or INGEST_ROWS
-    files = []
-    for path in job.dir.input_files():
-        k = int(path.stem.split("-")[1])
-        if todo[k * per_file:(k + 1) * per_file].any():
-            files.append(str(path))
-    todo_ref = ray.put(todo)
-
-    def load(batch: pa.Table) -> pa.Table:
-        mask = _todo_mask(todo_ref)
-        return encode_rows([row for path in batch.column("path").to_pylist() for row in input_rows(Path(path), mask=mask)])
-
-    ds = ray.data.from_items([{"path": f} for f in files], override_num_blocks=max(1, len(files)))
-    return ds.map_batches(load, batch_size=1, batch_format="pyarrow", zero_copy_batch=True)
-
-
-_TODO_CACHE: dict[str, np.ndarray] = {}
-
-
-def _todo_mask(ref) -> np.ndarray:
-    import ray
-
-    key = ref.hex()
-    if key not in _TODO_CACHE:
-        _TODO_CACHE.clear()
-        _TODO_CACHE[key] = ray.get(ref)
-    return _TODO_CACHE[key]
-
-
 def _run_pass(job: Job, todo: np.ndarray, done: np.ndarray, progress: Progress) -> None:
     processor = build_job_processor(job)
     seed_answers(processor, job)
     fold = fold_rows(job, todo)
     out = processor(todo_dataset(job, todo if fold is None else fold.send))
     progress.watch_replicas(processor.run_id)  # the start-up phase, from the replicas' heartbeats
-    committer = Committer(job.dir, done, progress, job.spec.commit_rows, job.spec.commit_seconds, fold)
+    committer = Committer(job.dir, done, progress, job.spec.commit_rows, job.spec.commit_seconds, fold,
+                          first_part_check(job))
     waited, since = 0.0, None  # the stream's idle time between answers (after the first)
     try:
         with committer.timer():

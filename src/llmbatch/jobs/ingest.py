@@ -4,7 +4,7 @@
 have no one type; never a pickle), each row with its id (its ``id_column`` value's order, or
 its position) and, for a record that could not be read, its read error. Every later run reads
 the rows from here, so the ids never change; each file is fsynced before ``job.json`` says the
-input is there.
+input is there. A run sends the rows still to do from these files (:func:`todo_dataset`).
 """
 
 from __future__ import annotations
@@ -13,20 +13,23 @@ import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from llmbatch.codec import digest64, rows_to_table, table_to_rows
+from llmbatch.codec import digest64, encode_rows, rows_to_table, table_to_rows
 from llmbatch.errors import JobError
 from llmbatch.io.csv_tables import ColumnTypes, NotClean
 from llmbatch.io.files import fsync_dir, write_parquet_synced
 from llmbatch.io.readers import READ_ERROR, TextTypes, infer_format, read_rows
 from llmbatch.jobs.store import JobDir
 from llmbatch.rows import ERROR_COLUMN, ROW_ID, is_missing
+
+if TYPE_CHECKING:
+    from llmbatch.jobs.job import Job
 
 #: Rows per file of ``input/``.
 INGEST_ROWS = 20_000
@@ -212,3 +215,38 @@ def _check_duplicates(keys: np.ndarray, staged: Path, id_column: str) -> None:
         f"{' and more' if len(examples) > 5 else ''} ({len(dup_hashes)} duplicated ids in all). "
         "Ids must be unique: fix the input, pick another id_column, or drop id_column to use row positions."
     )
+
+
+def todo_dataset(job: Job, todo: np.ndarray):
+    """The input rows to send (``todo``), as a Ray Dataset of encoded rows (one block per input
+    file; the processor cuts it into blocks of one engine batch)."""
+    import ray
+    import ray.data
+
+    per_file = job.meta.ingest_rows or INGEST_ROWS
+    files = []
+    for path in job.dir.input_files():
+        k = int(path.stem.split("-")[1])
+        if todo[k * per_file:(k + 1) * per_file].any():
+            files.append(str(path))
+    todo_ref = ray.put(todo)
+
+    def load(batch: pa.Table) -> pa.Table:
+        mask = _todo_mask(todo_ref)
+        return encode_rows([row for path in batch.column("path").to_pylist() for row in input_rows(Path(path), mask=mask)])
+
+    ds = ray.data.from_items([{"path": f} for f in files], override_num_blocks=max(1, len(files)))
+    return ds.map_batches(load, batch_size=1, batch_format="pyarrow", zero_copy_batch=True)
+
+
+_TODO_CACHE: dict[str, np.ndarray] = {}
+
+
+def _todo_mask(ref) -> np.ndarray:
+    import ray
+
+    key = ref.hex()
+    if key not in _TODO_CACHE:
+        _TODO_CACHE.clear()
+        _TODO_CACHE[key] = ray.get(ref)
+    return _TODO_CACHE[key]

@@ -19,6 +19,7 @@ import json
 import os
 import signal
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -32,7 +33,7 @@ from llmbatch.io.readers import typed_text_column
 from llmbatch.io.writers import OutputWriter, unify_schema
 from llmbatch.jobs.job import Job
 from llmbatch.jobs.meta import JobMeta
-from llmbatch.jobs.spec import JobSpec
+from llmbatch.jobs.spec import OPENAI_BATCH, JobSpec
 from llmbatch.jobs.store import JobDir, State, error_record
 from llmbatch.jobs.tally import Tally
 from llmbatch.progress import Progress
@@ -87,6 +88,30 @@ def output_columns(job: Job) -> tuple[list[str], list[pa.Schema]]:
         if name in present:
             seen[name] = None
     return list(seen), schemas
+
+
+def first_part_check(job: Job) -> Callable[[pa.Table], bool] | None:
+    """Where the job names ``output.columns`` and its rows take the prompt templates alone (no
+    function of the user's, whose rows may differ in their keys), a check of the first committed
+    part with an answered row: a column those rows lack fails the job there (ConfigError), not
+    after every row is answered, when the output is written. Returns whether it checked."""
+    spec = job.spec
+    if not spec.output.columns or spec.preprocess or spec.postprocess or spec.input.format == OPENAI_BATCH:
+        return None
+    rename = spec.output.rename or {}
+
+    def check(table: pa.Table) -> bool:
+        if ERROR_COLUMN in table.column_names and has_text(table.column(ERROR_COLUMN)).all():
+            return False  # error rows only: no answer's columns yet
+        names = {rename.get(n, n) for n in table.column_names} | ({ROW_ID_COLUMN} if not spec.input.id_column else set())
+        missing = [c for c in spec.output.columns if c not in names]
+        if missing:
+            known = sorted(n for n in names if not n.startswith(PRIVATE_PREFIX) and n != ERROR_COLUMN)
+            raise ConfigError(f"output.columns names {missing}, which the answered rows do not have; they have "
+                              f"{known}. Fix output.columns (--set output.columns=[...]) and run the job again: "
+                              "its committed rows are kept")
+        return True
+    return check
 
 
 def input_types(spec: JobSpec, meta: JobMeta) -> dict[str, str]:
@@ -175,7 +200,8 @@ def write_output(job: Job, state: State) -> tuple[str, Tally]:
     missing = [c for c in columns if not any(c in s.names for s in for_unify)]
     if missing and spec.output.columns:
         known = sorted({n for s in for_unify for n in _public(s.names)})
-        raise ConfigError(f"output.columns names {missing}, which the rows do not have; they have {known}")
+        raise ConfigError(f"output.columns names {missing}, which the rows do not have; they have {known}. Fix "
+                          "output.columns (--set output.columns=[...]) and run the job again: its rows are kept")
     types = input_types(spec, meta)
     writer = OutputWriter(spec.output.path, spec.output.resolved_format(), _typed_schema(unify_schema(for_unify, columns), types))
     totals = Tally()

@@ -30,8 +30,8 @@ import numpy as np
 from llmbatch.builders import build_layout
 from llmbatch.codec import decode_rows
 from llmbatch.errors import ConfigError
-from llmbatch.jobs.driver import build_job_processor, quiet_ray_data, todo_dataset
-from llmbatch.jobs.ingest import INGEST_ROWS, input_rows
+from llmbatch.jobs.driver import build_job_processor, quiet_ray_data
+from llmbatch.jobs.ingest import INGEST_ROWS, input_rows, todo_dataset
 from llmbatch.jobs.kinds import job_for
 from llmbatch.jobs.run import resolve_spec
 from llmbatch.jobs.store import JobDir
