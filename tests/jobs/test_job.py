@@ -56,3 +56,37 @@ def test_the_kind_follows_the_input_and_adds_its_own_identity_fields(tmp_path):
     assert request["messages"] == [{"role": "user", "content": "hi"}]
     assert rows.preprocess()({"Company": "Acme"})["messages"][-1]["content"] == "Which industry is Acme in?"
     assert batch.postprocess() is not None and rows.postprocess() is None
+
+
+def test_the_first_answered_part_checks_the_output_columns_and_renames_of_its_rows(tmp_path):
+    """``output.first_part_check``: a part of error rows only is passed over; the first with an
+    answer fails for a named column it lacks (prompt templates only: a function's rows may differ)
+    or two columns renamed to one name (any rows); a part that passes ends the checking."""
+    import pyarrow as pa
+    import pytest
+
+    from llmbatch.errors import ConfigError
+    from llmbatch.jobs.output import first_part_check
+    from llmbatch.rows import ERROR_COLUMN
+
+    spec = rows_spec(tmp_path)
+    assert first_part_check(job_for(spec)) is None  # neither columns nor rename: nothing to check
+    answered = pa.table({"Index": ["1", "2"], "Company": ["Acme", "Bolt"], "generated_text": ["x", None],
+                         ERROR_COLUMN: [None, "engine: boom"]})
+    errors_only = answered.slice(1)
+    spec.output.columns = ["Index", "generated_txt"]
+    check = first_part_check(job_for(spec))
+    assert check(errors_only) is False
+    with pytest.raises(ConfigError, match=r"names \['generated_txt'\], which the answered rows do not have; "
+                                          r"they have \['Company', 'Index', 'generated_text'\]"):
+        check(answered)
+    spec.output.columns = ["Index", "industry"]
+    spec.output.rename = {"generated_text": "industry"}
+    assert first_part_check(job_for(spec))(answered) is True
+    data = {**spec.model_dump(include={"input", "model"}), "preprocess": "hooks:request",  # a function's rows
+            "output": {"path": str(tmp_path / "out.parquet"), "columns": ["Index", "generated_txt"]}}
+    assert first_part_check(job_for(load_job(data=data)))(answered) is True  # only the renames are checked
+    data["output"]["rename"] = {"generated_text": "Company"}
+    with pytest.raises(ConfigError, match="gives two columns the name 'Company': 'generated_text' -> 'Company', "
+                                          "and the column 'Company' itself"):
+        first_part_check(job_for(load_job(data=data)))(answered)

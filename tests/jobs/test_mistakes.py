@@ -98,6 +98,8 @@ MISTAKES = {
     # starts (it was found where the preprocess is built, after Ray's start)
     "text column for generation": Mistake(run_args("--text-column", "b", prompt=None),
                                           ["prompt.text_column", "prompt.prompt_column"], CSV),
+    "answer renamed onto an input column": Mistake(run_args("--set", "output.rename={generated_text: a}"),
+                                                   ["output.rename", "'generated_text' -> 'a'", "the column 'a'"], CSV),
     "one text for task score": Mistake(run_args("--task", "score", "--text-column", "b", prompt=None),
                                        ["task 'score'", "prompt.pair_columns"], CSV),
 }

@@ -28,7 +28,7 @@ from llmbatch.jobs.openai_batch import (
     served_names,
 )
 from llmbatch.jobs.openai_output import write_openai_output
-from llmbatch.jobs.output import write_output
+from llmbatch.jobs.output import check_rename, write_output
 from llmbatch.jobs.prompts import check_prompt_fields, job_preprocess
 from llmbatch.jobs.spec import JobSpec, load_function
 from llmbatch.jobs.store import JobDir, State
@@ -51,6 +51,7 @@ class RowsKind(JobKind):
 
     def check_columns(self, job: Job, columns: list[str]) -> None:
         check_prompt_fields(job.spec, columns)
+        check_rename(job.spec, columns)
 
     def fold_columns(self, job: Job) -> list[str] | None:
         """The prompt's fields, where the request is the prompt templates' alone: no function of

@@ -60,6 +60,28 @@ def _public(names: list[str]) -> list[str]:
     return [n for n in names if not n.startswith(PRIVATE_PREFIX) and n != ERROR_COLUMN]
 
 
+def renamed(names: list[str], rename: dict[str, str]) -> list[str]:
+    """``names`` after ``output.rename``; two columns that would share a name fail (ConfigError)."""
+    out = [rename.get(n, n) for n in names]
+    seen: dict[str, str] = {}
+    for old, new in zip(names, out):
+        if new in seen:
+            first, second = sorted((seen[new], old), key=lambda n: n not in rename)
+            other = f"{second!r} -> {new!r}" if second in rename else f"the column {second!r} itself"
+            raise ConfigError(f"output.rename gives two columns the name {new!r}: {first!r} -> {new!r}, and {other}; "
+                              "give one of them another name in output.rename")
+        seen[new] = old
+    return out
+
+
+def check_rename(spec: JobSpec, columns: list[str]) -> None:
+    """Before any work (the input's columns known): ``output.rename`` giving the answer's columns
+    an input column's name, or two columns one name; with a postprocess of the user's (whose keys
+    are its own) the first answered part and the output check it (:func:`first_part_check`)."""
+    if spec.output.rename and not spec.postprocess:
+        renamed(list(dict.fromkeys([*columns, *DEFAULT_ENGINE_COLUMNS])), spec.output.rename)
+
+
 def output_columns(job: Job) -> tuple[list[str], list[pa.Schema]]:
     """The output's columns (after rename), in order, and the parts' schemas."""
     spec, meta = job.spec, job.meta
@@ -67,7 +89,7 @@ def output_columns(job: Job) -> tuple[list[str], list[pa.Schema]]:
     schemas = []
     for path in job.dir.part_files():
         schema = pq.read_schema(path)
-        names = [rename.get(n, n) for n in schema.names]
+        names = renamed(schema.names, rename)
         schemas.append(pa.schema([pa.field(n, schema.field(i).type) for i, n in enumerate(names)]))
     if spec.output.columns:
         return list(spec.output.columns), schemas
@@ -91,20 +113,22 @@ def output_columns(job: Job) -> tuple[list[str], list[pa.Schema]]:
 
 
 def first_part_check(job: Job) -> Callable[[pa.Table], bool] | None:
-    """Where the job names ``output.columns`` and its rows take the prompt templates alone (no
-    function of the user's, whose rows may differ in their keys), a check of the first committed
-    part with an answered row: a column those rows lack fails the job there (ConfigError), not
-    after every row is answered, when the output is written. Returns whether it checked."""
+    """A check of the first committed part with an answered row, for a job that names
+    ``output.columns`` or ``output.rename``: a named column those rows lack (where they take the
+    prompt templates alone: a function of the user's may give rows different keys) or two columns
+    renamed to one name fail the job there (ConfigError), not after every row is answered, when
+    the output is written. The check returns whether it checked."""
     spec = job.spec
-    if not spec.output.columns or spec.preprocess or spec.postprocess or spec.input.format == OPENAI_BATCH:
+    if not (spec.output.columns or spec.output.rename) or spec.input.format == OPENAI_BATCH:
         return None
     rename = spec.output.rename or {}
+    named = spec.output.columns if not (spec.preprocess or spec.postprocess) else None
 
     def check(table: pa.Table) -> bool:
         if ERROR_COLUMN in table.column_names and has_text(table.column(ERROR_COLUMN)).all():
             return False  # error rows only: no answer's columns yet
-        names = {rename.get(n, n) for n in table.column_names} | ({ROW_ID_COLUMN} if not spec.input.id_column else set())
-        missing = [c for c in spec.output.columns if c not in names]
+        names = set(renamed(table.column_names, rename)) | ({ROW_ID_COLUMN} if not spec.input.id_column else set())
+        missing = [c for c in named or () if c not in names]
         if missing:
             known = sorted(n for n in names if not n.startswith(PRIVATE_PREFIX) and n != ERROR_COLUMN)
             raise ConfigError(f"output.columns names {missing}, which the answered rows do not have; they have "
