@@ -69,7 +69,7 @@ class RowsKind(JobKind):
         columns = job.meta.columns if job.meta is not None else []
         if set(columns) & WRITTEN_COLUMNS:
             return None
-        return prompt.fields() or None
+        return prompt.fields(columns) or None
 
     def preprocess(self, job: Job) -> Callable[[Row], Row]:
         return job_preprocess(job.spec, job.task)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import _string
 import copy
+import functools
 import json
+import string
 from typing import Any
 
 from llmbatch.errors import ConfigError, RowValidationError
@@ -25,7 +28,52 @@ class _RowFields(dict):
 
 
 def render(template: str, row: dict[str, Any]) -> str:
-    return template.format_map(_RowFields(row))
+    """``template`` over ``row``'s fields: ``{Company}``, and a nested value's parts as in a Jinja
+    template or Python's own format: ``{meta.title}``, ``{meta[title]}``, ``{tags[0]}``."""
+    if not _nested(template):
+        return template.format_map(_RowFields(row))
+    return _FORMATTER.vformat(template, (), _RowFields(row))
+
+
+@functools.lru_cache(maxsize=256)
+def _nested(template: str) -> bool:
+    return any(field and ("." in field or "[" in field) for _, field, _, _ in string.Formatter().parse(template))
+
+
+class _RowFormatter(string.Formatter):
+    """``str.format`` for fields that read into a value. A column whose name holds the dot or
+    bracket is read whole; a dict's key or a list's item is read for ``.key`` and ``[key]``; a
+    value's attributes never (Python's ``{review.upper}`` put "<built-in method upper of str
+    object at 0x...>" into the prompt)."""
+
+    def get_field(self, field_name: str, args: Any, kwargs: Any) -> tuple[Any, str]:
+        if dict.__contains__(kwargs, field_name):
+            return kwargs[field_name], field_name
+        first, rest = _string.formatter_field_name_split(field_name)
+        value = kwargs[first]
+        for _, key in rest:
+            value = _part(value, key, field_name)
+        if is_missing(value):
+            raise RowValidationError(f"template field {{{field_name}}} is empty (None/NaN) in this row; fill it or drop the row")
+        return value, first
+
+
+def _part(value: Any, key: Any, field: str) -> Any:
+    if isinstance(value, dict):
+        for k in (key, str(key)):
+            if k in value:
+                return value[k]
+        raise RowValidationError(f"template field {{{field}}}: {key!r} is not a key of this row's value "
+                                 f"(its keys: {', '.join(map(str, list(value)[:10]))})")
+    if isinstance(value, (list, tuple)) and (isinstance(key, int) or str(key).isdigit()):
+        if int(key) < len(value):
+            return value[int(key)]
+        raise RowValidationError(f"template field {{{field}}}: this row's list has {len(value)} items, no [{key}]")
+    raise RowValidationError(f"template field {{{field}}}: this row's value is {type(value).__name__}, which has no "
+                             f"field {key!r} (a template reads a dict's keys and a list's items)")
+
+
+_FORMATTER = _RowFormatter()
 
 
 def _text(row: dict[str, Any], column: str, what: str) -> str:
@@ -149,7 +197,7 @@ def check_prompt_fields(spec: JobSpec, columns: list[str]) -> None:
     """Fail before any work when the prompt names a field the input does not have."""
     if spec.prompt is None:
         return
-    missing = [f for f in spec.prompt.fields() if f not in columns]
+    missing = [f for f in spec.prompt.fields(columns) if f not in columns]
     if missing:
         raise ConfigError(
             f"--prompt (prompt.*): the prompt uses {', '.join('{' + m + '}' for m in missing)}, which the input does "

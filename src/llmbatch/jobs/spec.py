@@ -154,12 +154,13 @@ class PromptSpec(BaseConfig):
         if (task == "score") != (self.pair_columns is not None) and not self.user and not self.prompt_column:
             raise ConfigError("task 'score' takes prompt.pair_columns: [first, second]; the other tasks take one text")
 
-    def fields(self) -> list[str]:
-        """Input columns the prompt reads."""
+    def fields(self, columns: list[str] | None = None) -> list[str]:
+        """Input columns the prompt reads (of ``columns``, the input's, where a template names a
+        column with a dot or bracket in its name)."""
         names: list[str] = []
         for template in (self.system, self.user):
             if template:
-                names.extend(template_fields(template))
+                names.extend(template_fields(template, columns))
         names.extend(c for c in (self.messages_column, self.prompt_column, self.text_column, self.image_column,
                                  self.audio_column) if c)
         names.extend(self.pair_columns or [])
@@ -283,15 +284,16 @@ class JobSpec(BaseConfig):
             raise ConfigError(f"model: {exc}") from None
 
 
-def template_fields(template: str) -> list[str]:
-    """The row fields a ``{Field}`` template reads (raises ValueError on bad syntax)."""
+def template_fields(template: str, columns: list[str] | None = None) -> list[str]:
+    """The row fields a ``{Field}`` template reads (raises ValueError on bad syntax): for
+    ``{meta.title}`` or ``{meta[title]}``, ``meta``, unless ``columns`` has one named so whole."""
     names = []
     for _, field, _, _ in string.Formatter().parse(template):
         if field is None:
             continue
         if field == "" or field.isdigit():
             raise ValueError("positional fields like {} or {0} are not allowed; name a column, e.g. {Company}")
-        names.append(field.split(".", 1)[0].split("[", 1)[0])
+        names.append(field if columns is not None and field in columns else field.split(".", 1)[0].split("[", 1)[0])
     return names
 
 
