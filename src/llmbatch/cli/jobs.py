@@ -185,7 +185,7 @@ def verify(
     that differ in a file."""
     result = verify_job(job_dir, sample=sample, seed=seed, out=out)
     table = facts(f"verify {job_dir}")
-    table.add_row("agreement", f"{result.agreement:.1%} ({result.agreed:,} of {result.checked:,} rows)")
+    table.add_row("agreement", result.agreement_text())
     table.add_row("skipped", f"{result.skipped_random:,} rows with random answers (sampled, or n > 1)")
     if result.failed_again:
         table.add_row("errors now", f"{result.failed_again:,} rows answered before failed on the re-run")

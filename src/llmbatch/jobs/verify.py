@@ -60,11 +60,18 @@ class VerifyReport:
 
     @property
     def agreement(self) -> float:
-        return self.agreed / self.checked if self.checked else 1.0
+        """The share of the checked rows that agree; NaN where no row could be checked (every
+        sampled row's answer random by design): nothing verified is no agreement."""
+        return self.agreed / self.checked if self.checked else float("nan")
+
+    def agreement_text(self) -> str:
+        if not self.checked:
+            return (f"none checked: every sampled row's answer is random by design (temperature above 0 "
+                    "without a seed, or n > 1); verify needs greedy (temperature 0) or seeded rows")
+        return f"{self.agreement:.1%} ({self.agreed:,} of {self.checked:,} rows)"
 
     def summary(self) -> str:
-        return (f"{self.agreed:,} of {self.checked:,} rows agree ({self.agreement:.1%}); "
-                f"{self.skipped_random:,} rows with random answers skipped")
+        return f"agreement {self.agreement_text()}; {self.skipped_random:,} rows with random answers skipped"
 
 
 def deterministic(request: dict[str, Any], task: str) -> bool:
