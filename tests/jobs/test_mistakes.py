@@ -53,6 +53,8 @@ def run_args(*extra: str, model: str | None = SMOL, prompt: str | None = "Say {a
 
 
 CSV = {"in.csv": "a,b\n1,2\n3,4\n"}
+#: an output and its job directory beside it
+JOB_BESIDE = {"out/": "", "out/x.parquet": "PAR1", "out/x.parquet.job/": "", "out/x.parquet.job/job.json": "{}"}
 #: the model cases resolve with no network and an empty cache: nothing can be fetched
 OFFLINE = {"HF_HUB_OFFLINE": "1"}
 
@@ -98,6 +100,12 @@ MISTAKES = {
     # starts (it was found where the preprocess is built, after Ray's start)
     "text column for generation": Mistake(run_args("--text-column", "b", prompt=None),
                                           ["prompt.text_column", "prompt.prompt_column"], CSV),
+    # a path that is not what the command takes: the output for its job, a data file for a job file
+    "resume given the output": Mistake(["resume", "out/x.parquet"], ["out/x.parquet.job", "llmbatch resume"], JOB_BESIDE),
+    "status given the output": Mistake(["status", "out/x.parquet"], ["the job of that output is out/x.parquet.job"],
+                                       JOB_BESIDE),
+    "data file as the job file": Mistake(["run", "in.csv"], ["job file 'in.csv'", "--input in.csv"], CSV),
+    "folder as the job file": Mistake(["run", "data"], ["job file 'data' is not a YAML job file"], {"data/": ""}),
     "answer renamed onto an input column": Mistake(run_args("--set", "output.rename={generated_text: a}"),
                                                    ["output.rename", "'generated_text' -> 'a'", "the column 'a'"], CSV),
     "one text for task score": Mistake(run_args("--task", "score", "--text-column", "b", prompt=None),

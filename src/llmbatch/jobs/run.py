@@ -331,4 +331,8 @@ def resolve_spec(job: JobSpec | str | os.PathLike, overrides: list[str] | None) 
         data["job_dir"] = str(path.resolve())
         check_no_redacted(data, path)
         return load_job(data=data, overrides=overrides)
+    beside = path.with_name(path.name + ".job")
+    if path.is_file() and JobDir(beside).exists():  # an output given for its job
+        raise ConfigError(f"{path} is a job's output, not a job file; its job directory is {beside}: "
+                          f"`llmbatch resume {beside}`")
     return load_job(path, overrides)

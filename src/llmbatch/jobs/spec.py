@@ -350,8 +350,13 @@ def load_job(path: str | os.PathLike | None = None, overrides: list[str] | None 
             doc = yaml.safe_load(p.read_text()) or {}
         except yaml.YAMLError as exc:
             raise ConfigError(f"job file {str(p)!r} is not valid YAML: {exc}") from exc
+        except (UnicodeDecodeError, IsADirectoryError) as exc:
+            raise ConfigError(f"job file {str(p)!r} is not a YAML job file ({type(exc).__name__}); give a job "
+                              f"file (examples/industry.yaml), a data file as --input {str(p)}, or, to resume, the "
+                              "job directory") from None
         if not isinstance(doc, dict):
-            raise ConfigError(f"job file {str(p)!r} must be a mapping of sections (input, model, prompt, output)")
+            raise ConfigError(f"job file {str(p)!r} must be a mapping of sections (input, model, prompt, output); "
+                              f"to run over a data file, give it as --input {str(p)}")
         base = p.resolve().parent
     if data:
         doc = merge(doc, data)

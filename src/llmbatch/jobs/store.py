@@ -144,7 +144,10 @@ class JobDir:
 
     def meta(self) -> JobMeta:
         if not self.exists():
-            raise JobError(f"{self.root} is not a job directory (no job.json)")
+            beside = self.root.with_name(self.root.name + ".job")  # an output's path given for its job's
+            hint = (f"; the job of that output is {beside}" if (beside / self.meta_path.name).exists() else
+                    "; give the folder `llmbatch run` printed as 'job dir'")
+            raise JobError(f"{self.root} is not a job directory (no job.json){hint}")
         data = json.loads(self.meta_path.read_text())
         if data.get("version") != FORMAT_VERSION:
             raise JobError(f"{self.root} was made by another llmbatch format (v{data.get('version')}); "

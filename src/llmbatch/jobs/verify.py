@@ -29,7 +29,7 @@ import numpy as np
 
 from llmbatch.builders import build_layout
 from llmbatch.codec import decode_rows
-from llmbatch.errors import ConfigError
+from llmbatch.errors import ConfigError, JobError
 from llmbatch.jobs.driver import build_job_processor, quiet_ray_data
 from llmbatch.jobs.ingest import INGEST_ROWS, input_rows, todo_dataset
 from llmbatch.jobs.kinds import job_for
@@ -141,10 +141,10 @@ def verify_job(job_dir: str | Path, sample: int = 100, seed: int = 0, out: str |
     time and compare (module docstring); the rows that differ go to ``out`` (default:
     ``JOBDIR/verify.jsonl``). Nothing of the job changes."""
     job = JobDir(Path(job_dir))
-    if not job.exists():
-        raise ConfigError(f"{job_dir} is not a job directory (it has no job.json); give the folder "
-                          "`llmbatch run` printed as 'job dir'")
-    meta = job.meta()
+    try:
+        meta = job.meta()
+    except JobError as exc:
+        raise ConfigError(str(exc)) from None
     if not meta.ingested:
         raise ConfigError(f"the job in {job_dir} has not read its input yet: nothing to verify")
     opened = job_for(resolve_spec(job.root, None), meta, job)
