@@ -66,7 +66,7 @@ def test_the_first_answered_part_checks_the_output_columns_and_renames_of_its_ro
     import pytest
 
     from llmbatch.errors import ConfigError
-    from llmbatch.jobs.output import first_part_check
+    from llmbatch.jobs.output import check_rename, first_part_check
     from llmbatch.rows import ERROR_COLUMN
 
     spec = rows_spec(tmp_path)
@@ -82,6 +82,9 @@ def test_the_first_answered_part_checks_the_output_columns_and_renames_of_its_ro
         check(answered)
     spec.output.columns = ["Index", "industry"]
     spec.output.rename = {"generated_text": "industry"}
+    assert first_part_check(job_for(spec))(answered) is True
+    spec.output.columns, spec.output.rename = None, {"generated_text": "label"}  # another task's column name:
+    check_rename(spec, ["Index", "Company"])  # free for a generation job (only the input's are known before)
     assert first_part_check(job_for(spec))(answered) is True
     data = {**spec.model_dump(include={"input", "model"}), "preprocess": "hooks:request",  # a function's rows
             "output": {"path": str(tmp_path / "out.parquet"), "columns": ["Index", "generated_txt"]}}

@@ -75,11 +75,12 @@ def renamed(names: list[str], rename: dict[str, str]) -> list[str]:
 
 
 def check_rename(spec: JobSpec, columns: list[str]) -> None:
-    """Before any work (the input's columns known): ``output.rename`` giving the answer's columns
-    an input column's name, or two columns one name; with a postprocess of the user's (whose keys
-    are its own) the first answered part and the output check it (:func:`first_part_check`)."""
+    """Before any work (the input's columns known): ``output.rename`` giving a column an input
+    column's name, or two columns one name. The engine's columns are the task's and the
+    settings' own: the first answered part and the output check those (:func:`first_part_check`),
+    as they do every row of a postprocess of the user's (whose keys are its own)."""
     if spec.output.rename and not spec.postprocess:
-        renamed(list(dict.fromkeys([*columns, *DEFAULT_ENGINE_COLUMNS])), spec.output.rename)
+        renamed(list(dict.fromkeys([*columns, *spec.output.rename])), spec.output.rename)
 
 
 def output_columns(job: Job) -> tuple[list[str], list[pa.Schema]]:
