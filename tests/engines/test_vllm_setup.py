@@ -91,7 +91,7 @@ def test_an_engine_process_that_fails_to_start_gives_its_own_reason(smollm2, tmp
         assert said.startswith(f"vLLM could not start model '{smollm2}'"), said
         assert "ValueError: current platform cpu does not support ray. (vLLM: " in said, said
         assert "Engine core initialization failed" in said and engine.log.path in said, said
-        assert engine.log.path.startswith(str(deep)) and os.environ["VLLM_RPC_BASE_PATH"] == "/tmp"
+        assert os.environ["VLLM_RPC_BASE_PATH"] == "/tmp"  # (the engine log goes to Ray's logs where Ray is up)
     finally:
         if engine.log is not None:
             engine.log.fh.close()
