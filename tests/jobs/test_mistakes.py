@@ -74,6 +74,9 @@ MISTAKES = {
     # a test model's name before make-test-models built it (in the empty cache)
     "model not resolvable offline": Mistake(run_args(model="tiny-vlm"), ["--model", "tiny-vlm", "llmbatch models"],
                                             CSV, env=OFFLINE),
+    # the hub id of the model an offline alias is made from, with no hub: the alias is named
+    "hub id of the offline model": Mistake(run_args(model="HuggingFaceTB/SmolLM2-135M-Instruct"),
+                                           ["--model", "-m smollm2-135m-instruct", "GGUF Q4_1"], CSV, env=OFFLINE),
     "unknown model name": Mistake(run_args(model="no-such-model"), ["--model", "no-such-model", SMOL], CSV,
                                   env=OFFLINE),
     "empty input file": Mistake(run_args(inp="empty.csv"), ["--input", "has no rows"], {"empty.csv": ""}),

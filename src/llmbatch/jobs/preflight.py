@@ -22,6 +22,7 @@ from llmbatch.io.readers import infer_format, open_input
 from llmbatch.jobs.job import Job
 from llmbatch.jobs.spec import JobSpec
 from llmbatch.jobs.store import LOCK_NAME, JobDir
+from llmbatch.model_names import alias_hint
 from llmbatch.models import ALIASES, TEST_MODELS, check_model_source, resolve_model
 from llmbatch.redact import reveal
 
@@ -217,7 +218,7 @@ def _check_hub_model(repo_id: str, token: str | None) -> None:
         raise ModelNotFoundError(
             f"cannot find model '{repo_id}': it is not an offline alias ({', '.join(ALIASES)}) or a test model, not a local "
             f"folder or file, and {where}. Give an alias, a model folder (./path), or a hub id this machine "
-            "can reach.") from None
+            f"can reach.{alias_hint(repo_id)}") from None
 
 
 def _first_line(exc: BaseException) -> str:
