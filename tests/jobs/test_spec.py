@@ -179,3 +179,21 @@ def test_a_job_imports_its_own_hooks_module_after_another_jobs_of_the_same_name(
     second = load_function("samename_hooks:request", [str(tmp_path / "two")])
     assert (first({}), second({})) == ("first", "second")
     assert load_function("samename_hooks:request", [str(tmp_path / "two")])({}) == "second"
+
+
+def test_run_job_takes_a_dict_of_a_job_files_sections(job_file, tmp_path, monkeypatch):
+    """From Python, a job needs no file: ``run_job({...})`` is the job file's sections (relative
+    paths from the working directory); it was a TypeError ("expected str, bytes or os.PathLike
+    object, not dict"). Checked up to the preflight: a missing input is named before any work."""
+    import yaml
+
+    from llmbatch.jobs.run import resolve_spec
+
+    monkeypatch.chdir(tmp_path)
+    sections = yaml.safe_load(job_file.read_text())
+    assert resolve_spec(sections, None) == load_job(job_file)
+    with pytest.raises(ConfigError, match=r"--input .*nosuch.csv.* does not exist"):
+        run_job({**sections, "input": {"path": "nosuch.csv"}}, quiet=True)
+    with pytest.raises(ConfigError, match="a job is a JobSpec, a dict of a job file's sections, .* not list"):
+        run_job([sections], quiet=True)
+    assert not (tmp_path / "out").exists()

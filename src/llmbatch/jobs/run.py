@@ -200,13 +200,13 @@ def launch_engine(job: Job) -> None:
         vllm_early.launch(vllm_settings(config))
 
 
-def run_job(job: JobSpec | str | os.PathLike, *, overrides: list[str] | None = None, force: bool = False,
+def run_job(job: JobSpec | dict | str | os.PathLike, *, overrides: list[str] | None = None, force: bool = False,
             retry_errors: bool = False, report: bool = False, quiet: bool = False,
             tty: bool | None = None) -> JobResult:
     """Run (or resume) a job to the end; returns where the results are.
 
-    ``job`` is a :class:`JobSpec`, a job file, or a job directory (to resume that directory,
-    wherever it was moved). ``retry_errors`` re-runs only the rows that failed (``overrides``
+    ``job`` is a :class:`JobSpec`, a dict of a job file's sections (``{"input": {...}, "model":
+    {...}, ...}``), a job file, or a job directory (to resume that directory, wherever it was moved). ``retry_errors`` re-runs only the rows that failed (``overrides``
     may change the config for them). Ctrl-C stops cleanly: what was answered is committed and
     ``resume`` continues. Nothing in the job directory changes before its lock is held. While
     it runs, Ray's and vLLM's INFO and WARNING lines go to the job's log.txt, not the terminal
@@ -318,7 +318,12 @@ def _run_locked(job: Job, *, retry_errors: bool, report: bool, quiet: bool, tty:
     return JobResult(job_dir.root, "finished", stats["output"], job_dir.errors_path, stats)
 
 
-def resolve_spec(job: JobSpec | str | os.PathLike, overrides: list[str] | None) -> JobSpec:
+def resolve_spec(job: JobSpec | dict | str | os.PathLike, overrides: list[str] | None) -> JobSpec:
+    if isinstance(job, dict):  # a job file's sections (relative paths from the working directory)
+        return load_job(data=job, overrides=overrides)
+    if not isinstance(job, (JobSpec, str, os.PathLike)):
+        raise ConfigError(f"a job is a JobSpec, a dict of a job file's sections, a job file or a job directory, "
+                          f"not {type(job).__name__}")
     if isinstance(job, JobSpec):
         if overrides:
             data = json.loads(job.model_dump_json())
