@@ -129,14 +129,18 @@ def first_part_check(job: Job) -> Callable[[pa.Table], bool] | None:
         if ERROR_COLUMN in table.column_names and has_text(table.column(ERROR_COLUMN)).all():
             return False  # error rows only: no answer's columns yet
         names = set(renamed(table.column_names, rename)) | ({ROW_ID_COLUMN} if not spec.input.id_column else set())
-        missing = [c for c in named or () if c not in names]
-        if missing:
-            known = sorted(n for n in names if not n.startswith(PRIVATE_PREFIX) and n != ERROR_COLUMN)
-            raise ConfigError(f"output.columns names {missing}, which the answered rows do not have; they have "
-                              f"{known}. Fix output.columns (--set output.columns=[...]) and run the job again: "
-                              "its committed rows are kept")
+        _check_named(named or [], names, "answered rows")
         return True
     return check
+
+
+def _check_named(columns: list[str], present: set[str], rows: str) -> None:
+    """Fail (ConfigError) where ``output.columns`` names a column ``rows`` do not have."""
+    missing = [c for c in columns if c not in present]
+    if missing:
+        raise ConfigError(f"output.columns names {missing}, which the {rows} do not have; they have "
+                          f"{sorted(_public(list(present)))}. Fix output.columns (--set output.columns=[...]) and "
+                          "run the job again: its committed rows are kept")
 
 
 def input_types(spec: JobSpec, meta: JobMeta) -> dict[str, str]:
@@ -222,11 +226,8 @@ def write_output(job: Job, state: State) -> tuple[str, Tally]:
     for_unify = list(schemas)
     if not spec.input.id_column:
         for_unify.append(pa.schema([(ROW_ID_COLUMN, pa.int64())]))
-    missing = [c for c in columns if not any(c in s.names for s in for_unify)]
-    if missing and spec.output.columns:
-        known = sorted({n for s in for_unify for n in _public(s.names)})
-        raise ConfigError(f"output.columns names {missing}, which the rows do not have; they have {known}. Fix "
-                          "output.columns (--set output.columns=[...]) and run the job again: its rows are kept")
+    if spec.output.columns:
+        _check_named(columns, {n for s in for_unify for n in s.names}, "rows")
     types = input_types(spec, meta)
     writer = OutputWriter(spec.output.path, spec.output.resolved_format(), _typed_schema(unify_schema(for_unify, columns), types))
     totals = Tally()

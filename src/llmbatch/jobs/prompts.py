@@ -21,10 +21,13 @@ class _RowFields(dict):
         raise RowValidationError(f"template field {{{key}}} is not a column of this row")
 
     def __getitem__(self, key: str) -> Any:
-        value = super().__getitem__(key)
-        if is_missing(value):
-            raise RowValidationError(f"template field {{{key}}} is empty (None/NaN) in this row; fill it or drop the row")
-        return value
+        return _filled(super().__getitem__(key), key)
+
+
+def _filled(value: Any, field: str) -> Any:
+    if is_missing(value):
+        raise RowValidationError(f"template field {{{field}}} is empty (None/NaN) in this row; fill it or drop the row")
+    return value
 
 
 def render(template: str, row: dict[str, Any]) -> str:
@@ -53,9 +56,7 @@ class _RowFormatter(string.Formatter):
         value = kwargs[first]
         for _, key in rest:
             value = _part(value, key, field_name)
-        if is_missing(value):
-            raise RowValidationError(f"template field {{{field_name}}} is empty (None/NaN) in this row; fill it or drop the row")
-        return value, first
+        return _filled(value, field_name), first
 
 
 def _part(value: Any, key: Any, field: str) -> Any:

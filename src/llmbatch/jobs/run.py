@@ -37,7 +37,7 @@ from llmbatch.jobs.preflight import (
     remove_created,
 )
 from llmbatch.jobs.spec import JobSpec, load_job, redacted_spec
-from llmbatch.jobs.store import JobDir, input_files, input_fingerprint, same_input
+from llmbatch.jobs.store import JobDir, input_files, input_fingerprint, job_dir_beside, same_input
 from llmbatch.progress import Progress
 from llmbatch.redact import check_no_redacted, redact, redact_text
 from llmbatch.report import check_report_dependencies, write_report
@@ -336,8 +336,8 @@ def resolve_spec(job: JobSpec | dict | str | os.PathLike, overrides: list[str] |
         data["job_dir"] = str(path.resolve())
         check_no_redacted(data, path)
         return load_job(data=data, overrides=overrides)
-    beside = path.with_name(path.name + ".job")
-    if path.is_file() and JobDir(beside).exists():  # an output given for its job
+    beside = job_dir_beside(path) if path.is_file() else None
+    if beside is not None:  # an output given for its job
         raise ConfigError(f"{path} is a job's output, not a job file; its job directory is {beside}: "
                           f"`llmbatch resume {beside}`")
     return load_job(path, overrides)

@@ -144,8 +144,8 @@ class JobDir:
 
     def meta(self) -> JobMeta:
         if not self.exists():
-            beside = self.root.with_name(self.root.name + ".job")  # an output's path given for its job's
-            hint = (f"; the job of that output is {beside}" if (beside / self.meta_path.name).exists() else
+            beside = job_dir_beside(self.root)  # an output's path given for its job's
+            hint = (f"; the job of that output is {beside}" if beside is not None else
                     "; give the folder `llmbatch run` printed as 'job dir'")
             raise JobError(f"{self.root} is not a job directory (no job.json){hint}")
         data = json.loads(self.meta_path.read_text())
@@ -331,6 +331,13 @@ def read_part_state(path: Path) -> tuple[np.ndarray, np.ndarray]:
 
 #: bytes of answer records a resumed job reads back (about 1 KiB per distinct short answer)
 KNOWN_ANSWER_BYTES = 512 << 20
+
+
+def job_dir_beside(output: Path) -> Path | None:
+    """The job directory of the output at ``output`` (its default place, ``<output>.job``), where
+    there is one: a path given for a job's that names its output."""
+    beside = output.with_name(output.name + ".job")
+    return beside if JobDir(beside).exists() else None
 
 
 def committed_answers(job: "JobDir", tag: str, limit_bytes: int = KNOWN_ANSWER_BYTES) -> dict[bytes, dict[str, Any]]:
